@@ -1,0 +1,3 @@
+//! Measurement drivers behind the `bench-*` subcommands.
+
+pub mod kv_cache;

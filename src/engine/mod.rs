@@ -1,0 +1,8 @@
+//! From requests to tokens: sampling, stop conditions, incremental detokenization, the
+//! scheduler that drives the model over many sequences, and run statistics.
+
+pub mod detok;
+pub mod sampler;
+pub mod scheduler;
+pub mod stats;
+pub mod stop;

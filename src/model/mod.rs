@@ -1,0 +1,10 @@
+//! Models: where weights come from (GGUF, safetensors, the Hub, dummy), their config, the
+//! tokenizer and chat template, and the one Llama-family decoder.
+
+pub mod chat;
+pub mod config;
+pub mod fetch;
+pub mod hub;
+pub mod llama;
+pub mod tokenizer;
+pub mod weights;

@@ -143,3 +143,77 @@ impl ModelArgs {
         }
     }
 }
+
+/// How the next token is chosen, and when generation ends.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 = greedy (always the most likely token).
+    #[arg(long = "temp", default_value_t = 0.8, value_name = "T")]
+    pub temperature: f64,
+
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 40, value_name = "K")]
+    pub top_k: usize,
+
+    /// Keep the smallest set of tokens whose probability adds up to P (1 = off).
+    #[arg(long, default_value_t = 0.95, value_name = "P")]
+    pub top_p: f64,
+
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.05, value_name = "P")]
+    pub min_p: f64,
+
+    /// Penalise tokens seen in the last --repeat-last-n tokens (1 = off).
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    pub repeat_penalty: f32,
+
+    /// How many recent tokens --repeat-penalty looks at.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub repeat_last_n: usize,
+
+    /// Random seed of the sampler (each request owns its generator).
+    #[arg(long, default_value_t = 299_792_458)]
+    pub seed: u64,
+
+    /// Most tokens to generate (the end-of-sequence token counts).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_tokens: usize,
+
+    /// Stop when the output contains this text (repeatable); the stop text is not printed.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> crate::engine::sampler::SamplingParams {
+        crate::engine::sampler::SamplingParams {
+            temperature: self.temperature,
+            top_k: (self.top_k > 0).then_some(self.top_k),
+            top_p: (self.top_p < 1.0).then_some(self.top_p),
+            min_p: (self.min_p > 0.0).then_some(self.min_p),
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        }
+    }
+}
+
+/// KV cache layout.
+#[derive(Args, Debug, Clone)]
+pub struct KvArgs {
+    /// Tokens per KV cache block (the paging unit; memory is allocated a block at a time).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub kv_block_size: usize,
+}
+
+impl KvArgs {
+    pub fn validate(&self) -> Result<()> {
+        if self.kv_block_size == 0 || self.kv_block_size > 4096 {
+            bail!(
+                "--kv-block-size must be between 1 and 4096 (got {})",
+                self.kv_block_size
+            );
+        }
+        Ok(())
+    }
+}

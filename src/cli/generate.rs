@@ -1,8 +1,264 @@
-//! `kvq generate` (placeholder until the engine lands).
+//! `kvq generate`: one prompt, streamed to stdout; statistics (or `--json`) at the end.
+//!
+//! This is the batch engine with a single request: the same scheduler, cache and model code
+//! that `batch-generate` drives.
 
-#[derive(clap::Args, Debug, Clone)]
-pub struct GenerateArgs {}
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::io::Write;
+use std::path::PathBuf;
 
-pub fn run(_args: &GenerateArgs) -> anyhow::Result<()> {
-    anyhow::bail!("generate is not built yet")
+use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use crate::engine::detok::Detokenizer;
+use crate::engine::request::{Event, FinishReason, Request};
+use crate::engine::scheduler::{Engine, EngineConfig};
+use crate::engine::stats::{fmt_bytes, peak_rss_bytes, Stats};
+use crate::engine::stop::StopMatcher;
+use crate::kv::cache::PagedKvCache;
+use crate::model::chat::{read_messages, Message};
+use crate::model::load::{load, LoadedModel};
+
+#[derive(Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// The prompt (a user message, rendered with the model's chat template unless --raw).
+    #[arg(value_name = "PROMPT")]
+    pub prompt: Option<String>,
+
+    /// Use the prompt as plain text: no chat template, no system message.
+    #[arg(long)]
+    pub raw: bool,
+
+    /// System message for the chat template (replaces the template's default one).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+
+    /// A whole conversation: a JSON array of {"role", "content"} objects (instead of PROMPT).
+    #[arg(long, value_name = "FILE")]
+    pub messages: Option<PathBuf>,
+
+    /// Print one JSON object (prompt and generated token ids, text, finish reason, stats)
+    /// instead of streaming text and statistics.
+    #[arg(long)]
+    pub json: bool,
+
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    #[command(flatten)]
+    pub device: DeviceArgs,
+
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    check_flags(args)?;
+    let device = args.device.open()?;
+    let loaded = load(&args.model, &device)?;
+    let prompt = prompt_ids(args, &loaded)?;
+    let out = generate(args, &loaded, prompt)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&out.json())?);
+    } else {
+        print_stats(&out);
+    }
+    Ok(())
+}
+
+/// Conflicting or empty inputs, refused before anything is loaded.
+fn check_flags(args: &GenerateArgs) -> Result<()> {
+    args.kv.validate()?;
+    args.sampling.params().validate()?;
+    if args.sampling.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    match (&args.prompt, &args.messages) {
+        (Some(_), Some(_)) => bail!("give either a PROMPT or --messages, not both"),
+        (None, None) => bail!("no prompt: give PROMPT or --messages FILE"),
+        (Some(p), None) if p.trim().is_empty() => bail!("the prompt is empty"),
+        _ => {}
+    }
+    if args.raw && (args.system.is_some() || args.messages.is_some()) {
+        bail!("--raw uses no chat template, so it cannot take --system or --messages");
+    }
+    if args.system.is_some() && args.messages.is_some() {
+        bail!("--system conflicts with --messages (put the system message in the file)");
+    }
+    Ok(())
+}
+
+/// Renders (or not) and tokenizes the prompt.
+fn prompt_ids(args: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
+    if args.raw {
+        let text = args.prompt.as_deref().unwrap_or_default();
+        return m.tokenizer.encode(text, true);
+    }
+    let mut messages = Vec::new();
+    if let Some(path) = &args.messages {
+        messages = read_messages(path)?;
+    } else {
+        if let Some(s) = &args.system {
+            messages.push(Message::new("system", s.clone()));
+        }
+        messages.push(Message::new(
+            "user",
+            args.prompt.clone().unwrap_or_default(),
+        ));
+    }
+    let template = m.chat_template.as_ref().with_context(|| {
+        format!(
+            "{} has no chat template: use --raw to send the prompt as plain text",
+            m.description
+        )
+    })?;
+    let text = template.render(&messages, true)?;
+    m.tokenizer.encode(&text, false)
+}
+
+struct Output {
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    text: String,
+    finish: FinishReason,
+    stats: Stats,
+    kv_bytes: usize,
+    kv_bytes_per_token: usize,
+    peak_memory: Option<u64>,
+}
+
+impl Output {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "prompt_tokens": self.prompt,
+            "tokens": self.tokens,
+            "text": self.text,
+            "finish_reason": self.finish,
+            "stats": {
+                "prompt_tokens": self.stats.prompt_tokens,
+                "prompt_tps": self.stats.prompt_tps(),
+                "generated_tokens": self.stats.generated_tokens,
+                "decode_tps": self.stats.decode_tps(),
+                "prefill_seconds": self.stats.prefill_seconds,
+                "decode_seconds": self.stats.decode_seconds,
+                "kv_bytes": self.kv_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "peak_memory_bytes": self.peak_memory,
+            }
+        })
+    }
+}
+
+fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Output> {
+    let model = &m.model;
+    let window = model.config().max_position_embeddings;
+    if prompt.len() > window {
+        bail!(
+            "the prompt has {} tokens but the model's context window is {} tokens",
+            prompt.len(),
+            window
+        );
+    }
+    let max_tokens = args.sampling.max_tokens;
+    let bs = args.kv.kv_block_size;
+    let lifetime = (prompt.len() + max_tokens).min(window);
+    let cache_cfg = Engine::cache_config(model, bs, lifetime.div_ceil(bs), model.dtype());
+    let bytes_per_token = cache_cfg.bytes_per_token();
+    let cache = PagedKvCache::new(cache_cfg, model.device())?;
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: 1,
+            prefill_chunk: 512,
+        },
+    )?;
+    engine.add(Request {
+        prompt: prompt.clone(),
+        params: args.sampling.params(),
+        max_tokens,
+        eos: m.tokenizer.eos_token_ids().to_vec(),
+    })?;
+
+    let mut detok = Detokenizer::new(&m.tokenizer, true);
+    let mut stops = StopMatcher::new(args.sampling.stop.clone());
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut finish = FinishReason::Length;
+    let stdout = std::io::stdout();
+    let emit = |s: &str, text: &mut String| -> Result<()> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        text.push_str(s);
+        if !args.json {
+            let mut lock = stdout.lock();
+            lock.write_all(s.as_bytes())?;
+            lock.flush()?;
+        }
+        Ok(())
+    };
+    let mut kv_bytes = 0;
+    'run: while engine.has_work() {
+        let events = engine.step()?;
+        kv_bytes = kv_bytes.max(engine.cache().bytes_in_use());
+        for ev in events {
+            match ev {
+                Event::Token { id, token } => {
+                    tokens.push(token);
+                    let piece = detok.push(token)?;
+                    let (out, stopped) = stops.push(&piece);
+                    emit(&out, &mut text)?;
+                    if stopped {
+                        finish = FinishReason::Stop;
+                        engine.finish(id);
+                        break 'run;
+                    }
+                }
+                Event::Finished { reason, .. } => finish = reason,
+            }
+        }
+    }
+    if finish != FinishReason::Stop || !stops.stopped() {
+        let tail = detok.finish()?;
+        let (out, _) = stops.push(&tail);
+        emit(&out, &mut text)?;
+        let rest = stops.finish();
+        emit(&rest, &mut text)?;
+    }
+    if !args.json && !text.ends_with('\n') {
+        println!();
+    }
+    Ok(Output {
+        prompt,
+        tokens,
+        text,
+        finish,
+        stats: engine.stats().clone(),
+        kv_bytes,
+        kv_bytes_per_token: bytes_per_token,
+        peak_memory: peak_rss_bytes(),
+    })
+}
+
+fn print_stats(o: &Output) {
+    let s = &o.stats;
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | generated: {} tokens, {:.1} tok/s | finish: {:?}",
+        s.prompt_tokens,
+        s.prompt_tps(),
+        s.generated_tokens,
+        s.decode_tps(),
+        o.finish
+    );
+    eprintln!(
+        "KV cache: {} ({} per token) | peak memory: {}",
+        fmt_bytes(o.kv_bytes),
+        fmt_bytes(o.kv_bytes_per_token),
+        o.peak_memory
+            .map(|b| fmt_bytes(b as usize))
+            .unwrap_or_else(|| "n/a".into())
+    );
 }

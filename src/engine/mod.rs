@@ -2,6 +2,7 @@
 //! scheduler that drives the model over many sequences, and run statistics.
 
 pub mod detok;
+pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod stats;

@@ -1,1 +1,291 @@
+//! The engine: owns requests from admission to finish and drives the model one step at a time.
+//!
+//! Life of a request: waiting → prefilling (the prompt in chunks of at most `prefill_chunk`
+//! tokens per step, in the same forward pass as the running sequences' decode tokens, so they
+//! keep producing) → decoding → finished. A request is admitted only when the cache can hold its
+//! whole future (prompt + max_tokens, capped by the context window) on top of what the running
+//! ones may still claim; so a full pool makes requests wait, never fail or evict half-way.
+//! Finished requests free their blocks at once and waiting ones join at the next step.
+//! `generate` is this engine with one request.
 
+use anyhow::{bail, Result};
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::request::{Event, FinishReason, Request};
+use super::sampler::Sampler;
+use super::stats::Stats;
+use crate::kv::cache::{CacheConfig, PagedKvCache, SeqId};
+use crate::model::llama::{Llama, LogitsFor, SeqInput};
+
+/// Scheduling limits.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Most sequences in flight (prefilling or decoding) at once.
+    pub max_batch: usize,
+    /// Most prompt tokens processed per step, over all prefilling sequences.
+    pub prefill_chunk: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 1,
+            prefill_chunk: 512,
+        }
+    }
+}
+
+struct Running {
+    id: SeqId,
+    req: Request,
+    sampler: Sampler,
+    /// Prompt followed by generated tokens.
+    history: Vec<u32>,
+    /// Prompt tokens already in the cache.
+    prefilled: usize,
+    generated: usize,
+    /// Most tokens this request will ever hold in the cache (its admission promise).
+    lifetime: usize,
+}
+
+pub struct Engine<'m> {
+    model: &'m Llama,
+    cache: PagedKvCache,
+    cfg: EngineConfig,
+    next_id: SeqId,
+    waiting: VecDeque<(SeqId, Request)>,
+    running: Vec<Running>,
+    stats: Stats,
+}
+
+impl<'m> Engine<'m> {
+    pub fn new(model: &'m Llama, cache: PagedKvCache, cfg: EngineConfig) -> Result<Self> {
+        if cfg.max_batch == 0 || cfg.prefill_chunk == 0 {
+            bail!("--max-batch and --prefill-chunk must be at least 1");
+        }
+        Ok(Self {
+            model,
+            cache,
+            cfg,
+            next_id: 0,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats: Stats::default(),
+        })
+    }
+
+    /// Cache geometry for a model: `blocks` blocks of `block_size` tokens in `dtype`.
+    pub fn cache_config(
+        model: &Llama,
+        block_size: usize,
+        blocks: usize,
+        dtype: candle_core::DType,
+    ) -> CacheConfig {
+        let c = model.config();
+        CacheConfig {
+            num_layers: c.num_layers,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size,
+            num_blocks: blocks,
+            dtype,
+        }
+    }
+
+    /// Tokens a request may occupy in the cache at most.
+    fn lifetime_tokens(&self, req: &Request) -> usize {
+        let window = self.model.config().max_position_embeddings;
+        // The last generated token is never fed back, hence the -1.
+        (req.prompt.len() + req.max_tokens.saturating_sub(1)).min(window)
+    }
+
+    /// Queues a request; returns its id. Refuses what can never run.
+    pub fn add(&mut self, req: Request) -> Result<SeqId> {
+        let window = self.model.config().max_position_embeddings;
+        if req.prompt.is_empty() {
+            bail!("the prompt is empty (0 tokens)");
+        }
+        if req.prompt.len() > window {
+            bail!(
+                "the prompt has {} tokens but the model's context window is {} tokens",
+                req.prompt.len(),
+                window
+            );
+        }
+        if req.max_tokens == 0 {
+            bail!("--max-tokens must be at least 1");
+        }
+        req.params.validate()?;
+        let need = self.cache.config().blocks_for(self.lifetime_tokens(&req));
+        if need > self.cache.config().num_blocks {
+            bail!(
+                "one request needs {need} KV blocks ({} tokens) but the cache holds only {} blocks; \
+                 raise the KV memory budget or lower --max-tokens",
+                self.lifetime_tokens(&req),
+                self.cache.config().num_blocks
+            );
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back((id, req));
+        Ok(id)
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    pub fn cache(&self) -> &PagedKvCache {
+        &self.cache
+    }
+
+    /// Ends a request now (stop string seen, Ctrl-C); frees its blocks.
+    pub fn finish(&mut self, id: SeqId) {
+        self.waiting.retain(|(w, _)| *w != id);
+        if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            self.running.swap_remove(i);
+            self.cache.remove_sequence(id);
+        }
+    }
+
+    /// Blocks the running requests may still claim beyond what they hold.
+    fn promised_blocks(&self) -> usize {
+        self.running
+            .iter()
+            .map(|r| {
+                let held = self.cache.seq_len(r.id).unwrap_or(0);
+                self.cache
+                    .blocks_needed(r.id, r.lifetime.saturating_sub(held))
+                    .unwrap_or(0)
+            })
+            .sum()
+    }
+
+    fn admit(&mut self) -> Result<()> {
+        while self.running.len() < self.cfg.max_batch {
+            let Some((_, req)) = self.waiting.front() else {
+                break;
+            };
+            let need = self.cache.config().blocks_for(self.lifetime_tokens(req));
+            if need + self.promised_blocks() > self.cache.free_blocks() {
+                break; // waits for running requests to finish
+            }
+            let (id, req) = self.waiting.pop_front().expect("front exists");
+            self.cache.add_sequence(id)?;
+            let lifetime = self.lifetime_tokens(&req);
+            self.running.push(Running {
+                id,
+                sampler: Sampler::new(req.params.clone()),
+                history: req.prompt.clone(),
+                prefilled: 0,
+                generated: 0,
+                lifetime,
+                req,
+            });
+        }
+        Ok(())
+    }
+
+    /// One forward pass over every running sequence: decode tokens first, then prompt chunks.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        self.admit()?;
+        if self.running.is_empty() {
+            if let Some((_, req)) = self.waiting.front() {
+                bail!(
+                    "request of {} prompt tokens cannot be admitted: the KV cache is too small",
+                    req.prompt.len()
+                );
+            }
+            return Ok(Vec::new());
+        }
+        let mut inputs = Vec::new();
+        let mut owners = Vec::new(); // index into running, per input row
+        let mut prefill_tokens = 0;
+        let mut decode_tokens = 0;
+        for (i, r) in self.running.iter().enumerate() {
+            if r.prefilled == r.req.prompt.len() {
+                inputs.push(SeqInput {
+                    seq: r.id,
+                    tokens: vec![*r.history.last().expect("history has the prompt")],
+                });
+                owners.push(i);
+                decode_tokens += 1;
+            }
+        }
+        let mut budget = self.cfg.prefill_chunk;
+        for (i, r) in self.running.iter().enumerate() {
+            if r.prefilled < r.req.prompt.len() && budget > 0 {
+                let n = (r.req.prompt.len() - r.prefilled).min(budget);
+                budget -= n;
+                inputs.push(SeqInput {
+                    seq: r.id,
+                    tokens: r.req.prompt[r.prefilled..r.prefilled + n].to_vec(),
+                });
+                owners.push(i);
+                prefill_tokens += n;
+            }
+        }
+        for inp in &inputs {
+            self.cache.reserve(inp.seq, inp.tokens.len())?;
+        }
+        let t0 = Instant::now();
+        let logits = self
+            .model
+            .forward(&inputs, &mut self.cache, LogitsFor::Last)?;
+        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+        let elapsed = t0.elapsed();
+        self.stats
+            .record_step(prefill_tokens, decode_tokens, elapsed);
+        self.stats.observe_kv(self.cache.bytes_in_use());
+
+        let window = self.model.config().max_position_embeddings;
+        let mut events = Vec::new();
+        let mut done = Vec::new();
+        for ((inp, &i), row) in inputs.iter().zip(&owners).zip(&rows) {
+            let r = &mut self.running[i];
+            let n = inp.tokens.len();
+            if r.prefilled < r.req.prompt.len() {
+                r.prefilled += n;
+                if r.prefilled < r.req.prompt.len() {
+                    continue; // mid-prompt chunk: its logits are not a prediction we use
+                }
+            }
+            let tok = r.sampler.sample(row, &r.history)?;
+            r.history.push(tok);
+            r.generated += 1;
+            self.stats.generated_tokens += 1;
+            events.push(Event::Token {
+                id: r.id,
+                token: tok,
+            });
+            let reason = if r.req.eos.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else if r.generated >= r.req.max_tokens || r.history.len() >= window {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                events.push(Event::Finished { id: r.id, reason });
+                done.push(r.id);
+            }
+        }
+        for id in done {
+            self.finish(id);
+        }
+        Ok(events)
+    }
+}

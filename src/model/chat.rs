@@ -86,7 +86,10 @@ pub fn read_messages(path: &Path) -> Result<Vec<Message>> {
         bail!("--messages {}: the array holds no messages", path.display());
     }
     if let Some(i) = messages.iter().position(|m| m.role.trim().is_empty()) {
-        bail!("--messages {}: message {i} has an empty role", path.display());
+        bail!(
+            "--messages {}: message {i} has an empty role",
+            path.display()
+        );
     }
     Ok(messages)
 }

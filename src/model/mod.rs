@@ -6,5 +6,6 @@ pub mod config;
 pub mod fetch;
 pub mod hub;
 pub mod llama;
+pub mod load;
 pub mod tokenizer;
 pub mod weights;

@@ -73,10 +73,12 @@ impl TextTokenizer {
                 .iter()
                 .enumerate()
                 .map(|(i, m)| {
-                    let m = m.to_string().context("tokenizer.ggml.merges holds a non-string")?;
-                    let (a, b) = m
-                        .split_once(' ')
-                        .ok_or_else(|| anyhow!("tokenizer.ggml.merges[{i}] = {m:?} is not \"a b\""))?;
+                    let m = m
+                        .to_string()
+                        .context("tokenizer.ggml.merges holds a non-string")?;
+                    let (a, b) = m.split_once(' ').ok_or_else(|| {
+                        anyhow!("tokenizer.ggml.merges[{i}] = {m:?} is not \"a b\"")
+                    })?;
                     Ok((a.to_string(), b.to_string()))
                 })
                 .collect::<Result<_>>()?,
@@ -115,11 +117,16 @@ impl TextTokenizer {
         let eot_id = id_of("tokenizer.ggml.eot_token_id")?;
         let unk_id = id_of("tokenizer.ggml.unknown_token_id")?;
         let add_bos = match get("tokenizer.ggml.add_bos_token") {
-            Some(v) => v.to_bool().context("tokenizer.ggml.add_bos_token is not a bool")?,
+            Some(v) => v
+                .to_bool()
+                .context("tokenizer.ggml.add_bos_token is not a bool")?,
             None => false,
         };
         let pre = match get("tokenizer.ggml.pre") {
-            Some(v) => v.to_string().context("tokenizer.ggml.pre is not a string")?.clone(),
+            Some(v) => v
+                .to_string()
+                .context("tokenizer.ggml.pre is not a string")?
+                .clone(),
             None => "default".to_string(),
         };
         let pre_tokenizer = pre_tokenizer_for(&pre)?;

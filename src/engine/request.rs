@@ -1,0 +1,33 @@
+//! A generation request and what the engine reports about it.
+
+use super::sampler::SamplingParams;
+
+/// What one caller asks for, in tokens (text handling stays with the caller).
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Upper bound on generated tokens (the EOS that ends generation counts).
+    pub max_tokens: usize,
+    /// Token ids that end generation; the ending id is reported like any other token.
+    pub eos: Vec<u32>,
+}
+
+/// Why a request stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS token or a stop string.
+    Stop,
+    /// `max_tokens` generated, or the context window is full.
+    Length,
+    /// Cancelled by the caller (Ctrl-C, error elsewhere).
+    Cancelled,
+}
+
+/// Engine output, in the order things happened.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token { id: u64, token: u32 },
+    Finished { id: u64, reason: FinishReason },
+}

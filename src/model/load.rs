@@ -1,0 +1,175 @@
+//! From `--model` (and friends) to a ready decoder, tokenizer and chat template.
+//!
+//! `--model` is resolved in this order: absent → the default model (fetched once into
+//! KVQ_HOME); an existing `.gguf` file; an existing directory (config.json + safetensors +
+//! tokenizer.json); anything else is taken as a Hugging Face repo id.
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device};
+use std::path::{Path, PathBuf};
+
+use super::chat::ChatTemplate;
+use super::config::ModelConfig;
+use super::fetch;
+use super::hub::{self, HubModel, ModelFiles};
+use super::llama::Llama;
+use super::tokenizer::TextTokenizer;
+use super::weights::Weights;
+use crate::cli::args::{LoadFormat, ModelArgs};
+
+pub struct LoadedModel {
+    pub model: Llama,
+    pub tokenizer: TextTokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    /// What was loaded, for messages and prompt-cache fingerprints.
+    pub description: String,
+}
+
+/// Loads what `args` names onto `device`.
+pub fn load(args: &ModelArgs, device: &Device) -> Result<LoadedModel> {
+    let dtype = args.dtype_for(device);
+    if args.load_format == LoadFormat::Dummy {
+        return load_dummy(args, device, dtype);
+    }
+    if args.config.is_some() {
+        bail!("--config is only used with --load-format dummy");
+    }
+    let (model, tokenizer, description) = match &args.model {
+        None => {
+            let path = fetch::default_model()?;
+            load_gguf(&path, args, device, dtype)?
+        }
+        Some(spec) => {
+            let p = Path::new(spec);
+            if p.is_file() {
+                load_gguf(p, args, device, dtype)?
+            } else if p.is_dir() {
+                let files = hub::model_files_in_dir(p)?;
+                load_safetensors(&files, args, device, dtype, spec)?
+            } else if looks_like_path(spec) {
+                bail!("--model {spec}: no such file or directory");
+            } else {
+                match hub::resolve_repo(spec)? {
+                    HubModel::Gguf(path) => load_gguf(&path, args, device, dtype)?,
+                    HubModel::Safetensors(files) => {
+                        load_safetensors(&files, args, device, dtype, spec)?
+                    }
+                }
+            }
+        }
+    };
+    let tokenizer = match &args.tokenizer {
+        Some(t) => TextTokenizer::from_files(t, None, &[])?,
+        None => tokenizer,
+    };
+    let chat_template = match tokenizer.chat_template() {
+        Some(src) => Some(
+            ChatTemplate::new(
+                src,
+                tokenizer.bos_token().map(|(_, t)| t),
+                tokenizer.eos_token(),
+            )
+            .context("the model's chat template does not compile")?,
+        ),
+        None => None,
+    };
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        description,
+    })
+}
+
+fn looks_like_path(spec: &str) -> bool {
+    spec.ends_with(".gguf")
+        || spec.starts_with('.')
+        || spec.starts_with('/')
+        || spec.starts_with('~')
+        || spec.matches('/').count() > 1
+}
+
+fn load_gguf(
+    path: &Path,
+    args: &ModelArgs,
+    device: &Device,
+    dtype: DType,
+) -> Result<(Llama, TextTokenizer, String)> {
+    let mut f = std::fs::File::open(path)
+        .with_context(|| format!("cannot open model file {}", path.display()))?;
+    let content = gguf_file::Content::read(&mut f).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not a readable GGUF model file ({e}); is it truncated or corrupt?",
+            path.display()
+        )
+    })?;
+    let cfg = ModelConfig::from_gguf(&content).with_context(|| format!("in {}", path.display()))?;
+    let tokenizer = TextTokenizer::from_gguf(&content)
+        .with_context(|| format!("tokenizer of {}", path.display()))?;
+    let mut w = Weights::gguf(path, &cfg, content, device, dtype, args.dequantize)?;
+    let model = Llama::load(&cfg, &mut w)?;
+    Ok((model, tokenizer, path.display().to_string()))
+}
+
+fn load_safetensors(
+    files: &ModelFiles,
+    args: &ModelArgs,
+    device: &Device,
+    dtype: DType,
+    spec: &str,
+) -> Result<(Llama, TextTokenizer, String)> {
+    if args.dequantize {
+        bail!("--dequantize applies to GGUF models only ({spec} is safetensors)");
+    }
+    let cfg = ModelConfig::from_hf_file(&files.config)?;
+    let mut extra: Vec<&Path> = vec![files.config.as_path()];
+    if let Some(g) = &files.generation_config {
+        extra.push(g.as_path());
+    }
+    let tokenizer =
+        TextTokenizer::from_files(&files.tokenizer, files.tokenizer_config.as_deref(), &extra)?;
+    let mut w = Weights::safetensors(&files.weights, &cfg, device, dtype)?;
+    let model = Llama::load(&cfg, &mut w)?;
+    Ok((model, tokenizer, spec.to_string()))
+}
+
+fn load_dummy(args: &ModelArgs, device: &Device, dtype: DType) -> Result<LoadedModel> {
+    let config: &PathBuf = args
+        .config
+        .as_ref()
+        .context("--load-format dummy needs --config config.json (the model shape)")?;
+    if args.dequantize {
+        bail!("--dequantize has no meaning with --load-format dummy");
+    }
+    let cfg = ModelConfig::from_hf_file(config)?;
+    let tokenizer = match (&args.tokenizer, &args.model) {
+        (Some(t), _) => TextTokenizer::from_files(t, None, &[])?,
+        (None, Some(m)) if Path::new(m).is_dir() => {
+            let files = hub::model_files_in_dir(Path::new(m))?;
+            TextTokenizer::from_files(&files.tokenizer, files.tokenizer_config.as_deref(), &[])?
+        }
+        _ => {
+            // Any tokenizer works for random weights; the default model's keeps runs offline.
+            let path = fetch::default_model()?;
+            let mut f = std::fs::File::open(&path)?;
+            let content = gguf_file::Content::read(&mut f)?;
+            TextTokenizer::from_gguf(&content)?
+        }
+    };
+    if tokenizer.vocab_size() > cfg.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but --config gives vocab_size {}",
+            tokenizer.vocab_size(),
+            cfg.vocab_size
+        );
+    }
+    let mut w = Weights::dummy(&cfg, device, dtype, 0)?;
+    let model = Llama::load(&cfg, &mut w)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template: None,
+        description: format!("dummy weights shaped by {}", config.display()),
+    })
+}

@@ -19,14 +19,27 @@ enum Command {
 }
 
 fn main() {
+    // A bug must still end in one readable line, not a Rust panic dump.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {l}"))
+            .unwrap_or_default();
+        eprintln!("error: internal error (a bug in kvq, please report it): {msg}{at}");
+    }));
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Generate(a) => cli::generate::run(a),
         Command::BenchKvCache(a) => cli::bench_kv_cache::run(a),
     };
     if let Err(e) = result {
-        // One line: the cause chain joined, no backtrace.
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", cli::one_line(&e));
         std::process::exit(1);
     }
 }

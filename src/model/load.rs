@@ -99,10 +99,20 @@ fn load_gguf(
     let mut f = std::fs::File::open(path)
         .with_context(|| format!("cannot open model file {}", path.display()))?;
     let content = gguf_file::Content::read(&mut f).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not a readable GGUF model file ({e}); is it truncated or corrupt?",
-            path.display()
-        )
+        // candle may append a backtrace to the message: keep its first line.
+        let e = e.to_string().lines().next().unwrap_or_default().to_string();
+        if e.contains("unknown dtype") {
+            anyhow::anyhow!(
+                "{} uses an unsupported tensor type ({e}); kvq reads F32, F16, BF16, \
+                 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q8_K",
+                path.display()
+            )
+        } else {
+            anyhow::anyhow!(
+                "{} is not a readable GGUF model file ({e}); is it truncated or corrupt?",
+                path.display()
+            )
+        }
     })?;
     let cfg = ModelConfig::from_gguf(&content).with_context(|| format!("in {}", path.display()))?;
     let tokenizer = TextTokenizer::from_gguf(&content)

@@ -1,0 +1,120 @@
+//! A batch of prompts of different lengths, run through the model together, gives each row the
+//! logits it gets alone — for the prompt pass and for decode steps after it.
+
+mod common;
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use kvq::cli::args::{LoadFormat, ModelArgs};
+use kvq::kv::cache::{CacheConfig, PagedKvCache};
+use kvq::model::llama::{Llama, LogitsFor, SeqInput};
+use kvq::model::load::load;
+
+fn cache_for(model: &Llama, blocks: usize) -> PagedKvCache {
+    let c = model.config();
+    let cfg = CacheConfig {
+        num_layers: c.num_layers,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        block_size: 16,
+        num_blocks: blocks,
+        dtype: DType::F32,
+    };
+    PagedKvCache::new(cfg, &Device::Cpu).unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn batched_rows_equal_single_rows() {
+    let args = ModelArgs {
+        model: None,
+        load_format: LoadFormat::Auto,
+        config: None,
+        tokenizer: None,
+        dtype: Some(kvq::cli::args::DTypeArg::F32),
+        dequantize: true,
+    };
+    let m = load(&args, &Device::Cpu).unwrap();
+    let model = &m.model;
+    let prompts: Vec<Vec<u32>> = greedy_cases()
+        .iter()
+        .map(|c| ids(&c["input_ids"]))
+        .collect();
+    // Three decode steps after the prompt, feeding the same (arbitrary, fixed) tokens everywhere.
+    let steps: [u32; 3] = [504, 3575, 282];
+
+    // Alone: one cache per prompt.
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let mut cache = cache_for(model, 64);
+        cache.add_sequence(0).unwrap();
+        cache.reserve(0, p.len()).unwrap();
+        let inp = [SeqInput {
+            seq: 0,
+            tokens: p.clone(),
+        }];
+        let mut rows = vec![model.forward(&inp, &mut cache, LogitsFor::All).unwrap()];
+        for &t in &steps {
+            cache.reserve(0, 1).unwrap();
+            let inp = [SeqInput {
+                seq: 0,
+                tokens: vec![t],
+            }];
+            rows.push(model.forward(&inp, &mut cache, LogitsFor::Last).unwrap());
+        }
+        alone.push(rows);
+    }
+
+    // Together: one cache, every prompt in one forward pass, then batched decode steps.
+    let mut cache = cache_for(model, 12 * 64);
+    let inputs: Vec<SeqInput> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| SeqInput {
+            seq: i as u64,
+            tokens: p.clone(),
+        })
+        .collect();
+    for inp in &inputs {
+        cache.add_sequence(inp.seq).unwrap();
+        cache.reserve(inp.seq, inp.tokens.len()).unwrap();
+    }
+    let all = model.forward(&inputs, &mut cache, LogitsFor::All).unwrap();
+    let mut offset = 0;
+    let mut worst = 0f32;
+    for (i, p) in prompts.iter().enumerate() {
+        let rows = all.narrow(0, offset, p.len()).unwrap();
+        worst = worst.max(max_abs_diff(&rows, &alone[i][0]));
+        offset += p.len();
+    }
+    for (k, &t) in steps.iter().enumerate() {
+        let inputs: Vec<SeqInput> = (0..prompts.len())
+            .map(|i| SeqInput {
+                seq: i as u64,
+                tokens: vec![t],
+            })
+            .collect();
+        for inp in &inputs {
+            cache.reserve(inp.seq, 1).unwrap();
+        }
+        let out = model.forward(&inputs, &mut cache, LogitsFor::Last).unwrap();
+        for i in 0..prompts.len() {
+            let row = out.narrow(0, i, 1).unwrap();
+            worst = worst.max(max_abs_diff(&row, &alone[i][k + 1]));
+        }
+    }
+    eprintln!("max abs logit difference batched vs alone: {worst:e}");
+    assert!(
+        worst <= 1e-4,
+        "max abs logit difference batched vs alone: {worst}"
+    );
+}

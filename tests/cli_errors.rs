@@ -1,0 +1,208 @@
+//! Bad input gets a one-line cause and exit code 1 — never a panic (exit 101).
+
+mod common;
+use common::*;
+use std::io::Write;
+
+/// Runs kvq, expects failure with exit 1 and a single `error:` line containing `needle`.
+fn fails_with(args: &[&str], needle: &str) {
+    let out = kvq(args);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "args {args:?}: stderr {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    let last = lines.last().copied().unwrap_or_default();
+    assert!(last.starts_with("error: "), "args {args:?}: {err}");
+    assert!(!err.contains("panicked"), "args {args:?}: {err}");
+    assert!(
+        last.contains(needle),
+        "args {args:?}: want '{needle}' in: {last}"
+    );
+}
+
+/// A minimal GGUF v3 file: metadata key/strings and one 2-D tensor of raw type `ggml_type`.
+fn tiny_gguf(arch: &str, ggml_type: u32) -> Vec<u8> {
+    fn s(out: &mut Vec<u8>, x: &str) {
+        out.extend((x.len() as u64).to_le_bytes());
+        out.extend(x.as_bytes());
+    }
+    let mut b = Vec::new();
+    b.extend(b"GGUF");
+    b.extend(3u32.to_le_bytes());
+    b.extend(1u64.to_le_bytes()); // tensors
+    b.extend(1u64.to_le_bytes()); // metadata entries
+    s(&mut b, "general.architecture");
+    b.extend(8u32.to_le_bytes()); // string
+    s(&mut b, arch);
+    s(&mut b, "token_embd.weight");
+    b.extend(2u32.to_le_bytes());
+    b.extend(32u64.to_le_bytes());
+    b.extend(4u64.to_le_bytes());
+    b.extend(ggml_type.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    while b.len() % 32 != 0 {
+        b.push(0);
+    }
+    b.extend(vec![0u8; 32 * 4 * 4]);
+    b
+}
+
+#[test]
+fn missing_model_file() {
+    fails_with(
+        &["generate", "--model", "/nonexistent/dir/model.gguf", "hi"],
+        "no such file",
+    );
+}
+
+#[test]
+fn corrupt_model_file() {
+    let mut f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+    f.write_all(b"this is not a gguf file at all, just text\n")
+        .unwrap();
+    fails_with(
+        &["generate", "--model", f.path().to_str().unwrap(), "hi"],
+        "not a readable GGUF model file",
+    );
+}
+
+#[test]
+fn truncated_model_file() {
+    let full = kvq::model::fetch::default_model().unwrap();
+    let bytes = std::fs::read(&full).unwrap();
+    let mut f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+    f.write_all(&bytes[..bytes.len() / 2]).unwrap();
+    fails_with(
+        &["generate", "--model", f.path().to_str().unwrap(), "hi"],
+        "is truncated",
+    );
+}
+
+#[test]
+fn unsupported_architecture() {
+    let mut f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+    f.write_all(&tiny_gguf("falcon", 0)).unwrap();
+    fails_with(
+        &["generate", "--model", f.path().to_str().unwrap(), "hi"],
+        "unsupported model architecture 'falcon'",
+    );
+}
+
+#[test]
+fn unsupported_tensor_type() {
+    let mut f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+    f.write_all(&tiny_gguf("llama", 16)).unwrap(); // IQ2_XXS
+    fails_with(
+        &["generate", "--model", f.path().to_str().unwrap(), "hi"],
+        "unsupported tensor type",
+    );
+}
+
+#[test]
+fn empty_prompt() {
+    fails_with(&["generate", ""], "the prompt is empty");
+    fails_with(&["generate", "   "], "the prompt is empty");
+    fails_with(&["generate"], "no prompt");
+}
+
+#[test]
+fn prompt_longer_than_context_window() {
+    let cfg = fixture("tiny-llama/config.json");
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(20);
+    fails_with(
+        &[
+            "generate",
+            "--load-format",
+            "dummy",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--raw",
+            &long,
+        ],
+        "but the model's context window is 64 tokens",
+    );
+}
+
+#[test]
+fn unknown_device() {
+    fails_with(
+        &["generate", "--device", "tpu", "hi"],
+        "unknown device 'tpu'",
+    );
+    fails_with(
+        &["generate", "--device", "cuda:x", "hi"],
+        "invalid device ordinal",
+    );
+    if !candle_core::utils::cuda_is_available() {
+        fails_with(
+            &["generate", "--device", "cuda", "hi"],
+            "built without CUDA",
+        );
+    }
+}
+
+#[test]
+fn conflicting_flags() {
+    fails_with(
+        &["generate", "--raw", "--system", "be brief", "hi"],
+        "--raw",
+    );
+    fails_with(&["generate", "--messages", "m.json", "hi"], "not both");
+    fails_with(&["generate", "--temp=-1", "hi"], "--temp");
+    fails_with(&["generate", "--max-tokens", "0", "hi"], "--max-tokens");
+    fails_with(
+        &[
+            "generate",
+            "--dequantize",
+            "--load-format",
+            "dummy",
+            "--config",
+            fixture("tiny-llama/config.json").to_str().unwrap(),
+            "hi",
+        ],
+        "--dequantize",
+    );
+}
+
+#[test]
+fn bad_messages_file() {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(b"{\"role\": \"user\"}").unwrap();
+    let out = kvq(&["generate", "--messages", f.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(f.path().to_str().unwrap()),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn generation_stops_at_the_end_of_the_window() {
+    let cfg = fixture("tiny-llama/config.json");
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(4);
+    let out = kvq(&[
+        "generate",
+        "--load-format",
+        "dummy",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--raw",
+        "--temp",
+        "0",
+        "--max-tokens",
+        "500",
+        "--json",
+        &prompt,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["finish_reason"], "length");
+    let p = v["prompt_tokens"].as_array().unwrap().len();
+    let g = v["tokens"].as_array().unwrap().len();
+    assert!(p < 64);
+    assert_eq!(
+        p + g,
+        64,
+        "prompt {p} + generated {g} should fill the 64-token window"
+    );
+}

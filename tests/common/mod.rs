@@ -1,0 +1,59 @@
+//! Helpers shared by the integration tests: where the reference data is, and running the CLI.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The reference oracles (`KVQ_REFERENCE_DIR`, else `../shared/reference` beside the crate).
+pub fn reference_dir() -> PathBuf {
+    match std::env::var_os("KVQ_REFERENCE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/reference"),
+    }
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
+}
+
+/// The 12 greedy reference cases.
+pub fn greedy_cases() -> Vec<serde_json::Value> {
+    let path = reference_dir().join("smollm2-greedy.jsonl");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("reference line is JSON"))
+        .collect()
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// Generated ids that must match: all of them, or those before the first fragile step.
+pub fn required_prefix(case: &serde_json::Value) -> Vec<u32> {
+    let want = ids(&case["generated_ids"]);
+    let first_fragile = case["fragile_steps"]
+        .as_array()
+        .and_then(|a| a.iter().filter_map(|f| f["step"].as_u64()).min())
+        .map(|s| s as usize)
+        .unwrap_or(want.len());
+    want[..first_fragile.min(want.len())].to_vec()
+}
+
+pub fn kvq(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvq"))
+        .args(args)
+        .output()
+        .expect("kvq runs")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}

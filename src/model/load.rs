@@ -52,7 +52,7 @@ pub fn load(args: &ModelArgs, device: &Device) -> Result<LoadedModel> {
             } else {
                 match hub::resolve_repo(spec)? {
                     HubModel::Gguf(path) => load_gguf(&path, args, device, dtype)?,
-                    HubModel::Safetensors(files) => {
+                    HubModel::Safetensors { dir_files: files } => {
                         load_safetensors(&files, args, device, dtype, spec)?
                     }
                 }

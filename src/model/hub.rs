@@ -84,8 +84,8 @@ fn collect_files(
 
 /// The distinct shard files named in a `model.safetensors.index.json` weight map.
 fn shard_names(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index)
-        .with_context(|| format!("reading {}", index.display()))?;
+    let text =
+        std::fs::read_to_string(index).with_context(|| format!("reading {}", index.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", index.display()))?;
     let map = v
@@ -94,11 +94,17 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
         .ok_or_else(|| anyhow!("{} has no \"weight_map\" object", index.display()))?;
     let mut shards = BTreeSet::new();
     for (tensor, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| anyhow!("{}: weight_map[{tensor:?}] is not a file name", index.display()))?;
+        let file = file.as_str().ok_or_else(|| {
+            anyhow!(
+                "{}: weight_map[{tensor:?}] is not a file name",
+                index.display()
+            )
+        })?;
         if file.contains("..") || file.starts_with('/') {
-            bail!("{}: shard name {file:?} leaves the model directory", index.display());
+            bail!(
+                "{}: shard name {file:?} leaves the model directory",
+                index.display()
+            );
         }
         shards.insert(file.to_string());
     }
@@ -132,7 +138,8 @@ fn parse_spec(spec: &str) -> Result<Spec> {
         && repo.split('/').all(|p| {
             !p.is_empty()
                 && p != ".."
-                && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         });
     if !valid {
         bail!("model {spec:?} is neither an existing path nor a Hugging Face repo id (owner/name)");
@@ -146,7 +153,12 @@ fn parse_spec(spec: &str) -> Result<Spec> {
 
 fn offline() -> bool {
     std::env::var("HF_HUB_OFFLINE")
-        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+        .map(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
         .unwrap_or(false)
 }
 
@@ -212,7 +224,11 @@ fn list_or_none(files: &[&String]) -> String {
     if files.is_empty() {
         "none".to_string()
     } else {
-        files.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+        files
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -250,7 +266,11 @@ fn resolve_offline(spec: &Spec, cache: &Cache, repo: Repo) -> Result<HubModel> {
         .collect();
     ggufs.sort();
     let refs: Vec<&String> = ggufs.iter().collect();
-    let file = pick_gguf(&format!("cached {what} (offline)"), spec.file.as_deref(), &refs)?;
+    let file = pick_gguf(
+        &format!("cached {what} (offline)"),
+        spec.file.as_deref(),
+        &refs,
+    )?;
     Ok(HubModel::Gguf(snapshot.join(file)))
 }
 
@@ -261,9 +281,15 @@ mod tests {
     #[test]
     fn specs_parse() {
         let s = parse_spec("HuggingFaceTB/SmolLM2-135M-Instruct").unwrap();
-        assert_eq!((s.repo.as_str(), s.revision.as_str(), s.file), ("HuggingFaceTB/SmolLM2-135M-Instruct", "main", None));
+        assert_eq!(
+            (s.repo.as_str(), s.revision.as_str(), s.file),
+            ("HuggingFaceTB/SmolLM2-135M-Instruct", "main", None)
+        );
         let s = parse_spec("a/b@v1.0:m.Q4_0.gguf").unwrap();
-        assert_eq!((s.repo.as_str(), s.revision.as_str(), s.file.as_deref()), ("a/b", "v1.0", Some("m.Q4_0.gguf")));
+        assert_eq!(
+            (s.repo.as_str(), s.revision.as_str(), s.file.as_deref()),
+            ("a/b", "v1.0", Some("m.Q4_0.gguf"))
+        );
         for bad in ["", "a/b/c", "a/b@", "a/b:", "../x", "a b/c"] {
             assert!(parse_spec(bad).is_err(), "{bad:?}");
         }

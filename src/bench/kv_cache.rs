@@ -1,1 +1,314 @@
+//! The measurement behind `kvq bench-kv-cache`: memory, error and speed of quantized KV tensors
+//! against the dense cache, on seeded N(0,1) K and V for every layer.
+//!
+//! Memory figures are computed from the format (exact stored bytes, no allocation needed).
+//! Times are medians over repeats of quantizing (resp. dequantizing) K and V of every layer,
+//! device-synchronised, and a copy of the same dense tensors is timed in the same run so that
+//! throughputs are comparable: every GB/s here is (bytes read + bytes written) / time, 1 GB =
+//! 1e9 bytes. Quantize reads the dense tensors and writes codes + scales + biases; dequantize
+//! does the reverse; the copy reads and writes the dense tensors.
 
+use crate::kv::quant::{self, QuantFormat, Quantized};
+use anyhow::{bail, Context, Result};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand_distr::StandardNormal;
+use rayon::prelude::*;
+use serde::Serialize;
+use std::time::Instant;
+
+/// What to measure.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchConfig {
+    pub layers: usize,
+    pub seq_len: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub batch: usize,
+    pub bits: Vec<u32>,
+    pub group_size: usize,
+    #[serde(serialize_with = "ser_dtype")]
+    pub dtype: DType,
+    pub seed: u64,
+    pub warmup: usize,
+    pub repeats: usize,
+}
+
+fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(d.as_str())
+}
+
+impl BenchConfig {
+    /// Refuses settings that cannot be measured, with one-line causes.
+    pub fn validate(&self) -> Result<Vec<QuantFormat>> {
+        for (name, v) in [
+            ("--layers", self.layers),
+            ("--seq-len", self.seq_len),
+            ("--heads", self.heads),
+            ("--head-dim", self.head_dim),
+            ("--batch", self.batch),
+            ("--repeats", self.repeats),
+        ] {
+            if v == 0 {
+                bail!("{name} must be at least 1");
+            }
+        }
+        if !matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            bail!("--dtype must be f16, bf16 or f32");
+        }
+        if self.bits.is_empty() {
+            bail!("--bits needs at least one bit width (allowed: 2, 3, 4, 5, 6, 8)");
+        }
+        let fmts = self
+            .bits
+            .iter()
+            .map(|&b| QuantFormat::new(b, self.group_size))
+            .collect::<Result<Vec<_>, _>>()
+            .context("invalid --bits / --group-size")?;
+        fmts[0]
+            .check_dim(self.head_dim)
+            .context("--head-dim must be a multiple of --group-size")?;
+        Ok(fmts)
+    }
+
+    /// Values in K (or V) of one layer.
+    pub fn values_per_tensor(&self) -> usize {
+        self.batch * self.heads * self.seq_len * self.head_dim
+    }
+
+    /// Values in K and V of all layers.
+    pub fn values(&self) -> u64 {
+        2 * self.layers as u64 * self.values_per_tensor() as u64
+    }
+
+    /// Bytes of the dense cache (K and V, all layers).
+    pub fn dense_bytes(&self) -> u64 {
+        self.values() * self.dtype.size_in_bytes() as u64
+    }
+
+    /// Bytes of the quantized cache: codes plus scales and biases in the cache dtype.
+    pub fn quantized_bytes(&self, fmt: QuantFormat) -> u64 {
+        let rows = self.values() / self.head_dim as u64;
+        rows * fmt.bytes_per_row(self.head_dim, self.dtype) as u64
+    }
+}
+
+/// One table row; `bits == None` is the dense baseline.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub mode: String,
+    pub bits: Option<u32>,
+    pub bytes: u64,
+    pub compression: f64,
+    pub bits_per_value: f64,
+    pub mean_error: f64,
+    pub max_error: f64,
+    pub quantize_ms: Option<f64>,
+    pub dequantize_ms: Option<f64>,
+    /// Quantize + dequantize bytes moved over their summed time (the copy's GB/s for the baseline).
+    pub gbps: f64,
+    pub quantize_gbps: Option<f64>,
+    pub dequantize_gbps: Option<f64>,
+    /// quantize_gbps / memcpy_gbps of the same run.
+    pub quantize_vs_memcpy: Option<f64>,
+    pub dequantize_vs_memcpy: Option<f64>,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub config: BenchConfig,
+    pub device: String,
+    pub threads: usize,
+    pub memcpy_ms: f64,
+    pub memcpy_gbps: f64,
+    pub rows: Vec<Row>,
+}
+
+/// Progress callback: called once per finished step, with the total number of steps first.
+pub trait Progress {
+    fn start(&self, total: u64);
+    fn step(&self, msg: &str);
+}
+
+/// Steps [`run`] reports, for sizing a progress bar.
+fn total_steps(cfg: &BenchConfig) -> u64 {
+    let timed = (cfg.warmup + cfg.repeats) as u64;
+    1 + timed + cfg.bits.len() as u64 * (2 * timed + 1)
+}
+
+fn device_name(d: &Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(_) => "cuda".into(),
+        Device::Metal(_) => "metal".into(),
+    }
+}
+
+/// Seeded N(0,1) K and V for every layer, in the cache dtype on `device`.
+fn make_tensors(cfg: &BenchConfig, device: &Device) -> Result<Vec<Tensor>> {
+    let n = cfg.values_per_tensor();
+    let shape = (cfg.batch, cfg.heads, cfg.seq_len, cfg.head_dim);
+    (0..2 * cfg.layers)
+        .map(|i| {
+            // One generator per (layer, K|V), seeded from --seed: the data does not depend on
+            // how many threads ran.
+            let mut rng = StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64);
+            let v: Vec<f32> = (0..n).map(|_| rng.sample(StandardNormal)).collect();
+            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(cfg.dtype)?.to_device(device)?)
+        })
+        .collect()
+}
+
+/// Copies a contiguous tensor into new storage: rayon over chunks on CPU (as many threads as the
+/// kernels), the device's own copy elsewhere.
+fn copy(t: &Tensor) -> Result<Tensor> {
+    fn par_copy<T: Copy + Send + Sync + Default>(src: &[T]) -> Vec<T> {
+        let mut dst = vec![T::default(); src.len()];
+        dst.par_chunks_mut(1 << 16)
+            .zip(src.par_chunks(1 << 16))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        dst
+    }
+    if !t.device().is_cpu() {
+        return Ok(t.copy()?);
+    }
+    let (s, l) = t.storage_and_layout();
+    let (a, b) = l.contiguous_offsets().context("copy of a non-contiguous tensor")?;
+    let out = match &*s {
+        Storage::Cpu(CpuStorage::F32(v)) => CpuStorage::F32(par_copy(&v[a..b])),
+        Storage::Cpu(CpuStorage::F16(v)) => CpuStorage::F16(par_copy(&v[a..b])),
+        Storage::Cpu(CpuStorage::BF16(v)) => CpuStorage::BF16(par_copy(&v[a..b])),
+        _ => bail!("copy: unsupported dtype {:?}", t.dtype()),
+    };
+    Ok(Tensor::from_storage(
+        Storage::Cpu(out),
+        t.shape().clone(),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Median wall time in ms of `f` over `repeats`, after `warmup` untimed runs; `f` must leave the
+/// device idle (it is synchronised before the clock stops).
+fn time_ms(
+    cfg: &BenchConfig,
+    device: &Device,
+    progress: &dyn Progress,
+    what: &str,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    let mut times = Vec::with_capacity(cfg.repeats);
+    for i in 0..cfg.warmup + cfg.repeats {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        f()?;
+        device.synchronize()?;
+        if i >= cfg.warmup {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        progress.step(what);
+    }
+    Ok(median(times))
+}
+
+/// Mean and max |x - x̂| over all tensors, accumulated in f64.
+fn errors(xs: &[Tensor], qs: &[Quantized], fmt: QuantFormat) -> Result<(f64, f64)> {
+    let (mut sum, mut max, mut count) = (0f64, 0f64, 0u64);
+    for (x, q) in xs.iter().zip(qs) {
+        let diff = (x.to_dtype(DType::F32)? - quant::dequantize(q, fmt)?.to_dtype(DType::F32)?)?.abs()?;
+        sum += diff.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        max = max.max(diff.max_all()?.to_scalar::<f32>()? as f64);
+        count += x.elem_count() as u64;
+    }
+    Ok((sum / count as f64, max))
+}
+
+/// Runs the whole measurement.
+pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Result<Report> {
+    let fmts = cfg.validate()?;
+    progress.start(total_steps(cfg));
+    let xs = make_tensors(cfg, device).context("cannot build the K/V tensors")?;
+    progress.step("generated K/V");
+    let dense = cfg.dense_bytes();
+    let gb = |bytes: u64, ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+
+    let memcpy_ms = time_ms(cfg, device, progress, "memcpy", || {
+        for x in &xs {
+            drop(copy(x)?);
+        }
+        Ok(())
+    })?;
+    let memcpy_gbps = gb(2 * dense, memcpy_ms);
+    let dense_bits = (cfg.dtype.size_in_bytes() * 8) as f64;
+    let mut rows = vec![Row {
+        mode: format!("{} (dense)", cfg.dtype.as_str()),
+        bits: None,
+        bytes: dense,
+        compression: 1.0,
+        bits_per_value: dense_bits,
+        mean_error: 0.0,
+        max_error: 0.0,
+        quantize_ms: None,
+        dequantize_ms: None,
+        gbps: memcpy_gbps,
+        quantize_gbps: None,
+        dequantize_gbps: None,
+        quantize_vs_memcpy: None,
+        dequantize_vs_memcpy: None,
+    }];
+
+    for fmt in fmts {
+        let mut qs: Vec<Quantized> = Vec::new();
+        let q_ms = time_ms(cfg, device, progress, &format!("quantize {}-bit", fmt.bits()), || {
+            qs = xs.iter().map(|x| quant::quantize(x, fmt)).collect::<candle_core::Result<_>>()?;
+            Ok(())
+        })?;
+        let dq_ms = time_ms(cfg, device, progress, &format!("dequantize {}-bit", fmt.bits()), || {
+            for q in &qs {
+                drop(quant::dequantize(q, fmt)?);
+            }
+            Ok(())
+        })?;
+        let bytes: u64 = qs.iter().map(|q| q.bytes() as u64).sum();
+        debug_assert_eq!(bytes, cfg.quantized_bytes(fmt));
+        let (mean_error, max_error) = errors(&xs, &qs, fmt)?;
+        progress.step(&format!("errors {}-bit", fmt.bits()));
+        let moved = dense + bytes;
+        let (qg, dqg) = (gb(moved, q_ms), gb(moved, dq_ms));
+        rows.push(Row {
+            mode: format!("{}-bit", fmt.bits()),
+            bits: Some(fmt.bits()),
+            bytes,
+            compression: dense as f64 / bytes as f64,
+            bits_per_value: fmt.bits_per_value(cfg.dtype),
+            mean_error,
+            max_error,
+            quantize_ms: Some(q_ms),
+            dequantize_ms: Some(dq_ms),
+            gbps: gb(2 * moved, q_ms + dq_ms),
+            quantize_gbps: Some(qg),
+            dequantize_gbps: Some(dqg),
+            quantize_vs_memcpy: Some(qg / memcpy_gbps),
+            dequantize_vs_memcpy: Some(dqg / memcpy_gbps),
+        });
+    }
+    Ok(Report {
+        config: cfg.clone(),
+        device: device_name(device),
+        threads: rayon::current_num_threads(),
+        memcpy_ms,
+        memcpy_gbps,
+        rows,
+    })
+}

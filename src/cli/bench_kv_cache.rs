@@ -1,8 +1,234 @@
-//! `kvq bench-kv-cache` (placeholder until the quantization work lands).
+//! `kvq bench-kv-cache`: memory, compression, error and speed of quantized KV caches against the
+//! dense cache, as a table (default), JSON (`--json`) or CSV (`--csv`).
 
+use crate::bench::kv_cache::{self, BenchConfig, Progress, Report};
+use crate::cli::args::{DTypeArg, DeviceArgs};
+use anyhow::{bail, Result};
+use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Throughput note printed under the table and in --help.
+const GBPS_NOTE: &str = "GB/s = (bytes read + bytes written) / median time, 1 GB = 1e9 B: quantize reads the \
+dense K/V and writes codes+scales+biases, dequantize the reverse; memcpy copies the dense K/V (same threads/device, \
+same run); ratios are against that memcpy";
+
+/// Measure what a quantized KV cache costs and saves: memory, error, quantize/dequantize time.
+///
+/// Times are medians over --repeats of quantizing (resp. dequantizing) K and V of every layer,
+/// device-synchronised. GB/s = (bytes read + bytes written) / time (1 GB = 1e9 B); the baseline
+/// row's GB/s is a copy of the dense K/V measured in the same run, and each quantized row shows
+/// quantize / dequantize GB/s and their ratio to that copy.
 #[derive(clap::Args, Debug, Clone)]
-pub struct BenchKvCacheArgs {}
+pub struct BenchKvCacheArgs {
+    /// Transformer layers (each has one K and one V tensor).
+    #[arg(long, default_value_t = 32)]
+    pub layers: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// KV heads.
+    #[arg(long, default_value_t = 32)]
+    pub heads: usize,
+    /// Head dimension (a multiple of --group-size).
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
+    /// Sequences.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Comma-separated bit widths, one table row each (allowed: 2, 3, 4, 5, 6, 8).
+    #[arg(long, default_value = "8,4", value_name = "LIST")]
+    pub bits: String,
+    /// Values per scale/bias group (allowed: 32, 64, 128).
+    #[arg(long, default_value_t = 64)]
+    pub group_size: usize,
+    /// dtype of the dense cache and of the scales/biases.
+    #[arg(long, value_enum, default_value = "f16")]
+    pub dtype: DTypeArg,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Seed of the N(0,1) K/V data.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Untimed runs before the timed ones.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed runs; times are their medians.
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long, conflicts_with = "csv")]
+    pub json: bool,
+    /// Print CSV (one header line, one line per row) instead of the table.
+    #[arg(long)]
+    pub csv: bool,
+}
 
-pub fn run(_args: &BenchKvCacheArgs) -> anyhow::Result<()> {
-    anyhow::bail!("bench-kv-cache is not built yet")
+/// Parses `8,4` into bit widths; rejects empty entries.
+fn parse_bits(s: &str) -> Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for part in s.split(',') {
+        let part = part.trim();
+        if part.is_empty() {
+            bail!("--bits '{s}': empty entry (give a list like 8,4; allowed: 2, 3, 4, 5, 6, 8)");
+        }
+        match part.parse::<u32>() {
+            Ok(b) => out.push(b),
+            Err(_) => bail!("--bits '{s}': '{part}' is not a bit width (allowed: 2, 3, 4, 5, 6, 8)"),
+        }
+    }
+    Ok(out)
+}
+
+struct Bar(ProgressBar);
+
+impl Progress for Bar {
+    fn start(&self, total: u64) {
+        self.0.set_length(total);
+    }
+    fn step(&self, msg: &str) {
+        self.0.set_message(msg.to_string());
+        self.0.inc(1);
+    }
+}
+
+pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
+    let cfg = BenchConfig {
+        layers: args.layers,
+        seq_len: args.seq_len,
+        heads: args.heads,
+        head_dim: args.head_dim,
+        batch: args.batch,
+        bits: parse_bits(&args.bits)?,
+        group_size: args.group_size,
+        dtype: args.dtype.dtype(),
+        seed: args.seed,
+        warmup: args.warmup,
+        repeats: args.repeats,
+    };
+    cfg.validate()?;
+    let device = args.device.open()?;
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    let report = kv_cache::run(&cfg, &device, &Bar(bar.clone()));
+    bar.finish_and_clear();
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&json(&report)?)?);
+    } else if args.csv {
+        print!("{}", csv(&report));
+    } else {
+        println!("{}", header(&report));
+        println!("{}", table(&report));
+        println!("{GBPS_NOTE}.");
+    }
+    Ok(())
+}
+
+/// `{"config": {...}, "rows": [...]}`: the run's settings plus device, threads and memcpy figures
+/// in `config`.
+fn json(r: &Report) -> Result<serde_json::Value> {
+    let mut config = serde_json::to_value(&r.config)?;
+    let extra = serde_json::json!({
+        "device": r.device,
+        "threads": r.threads,
+        "values": r.config.values(),
+        "memcpy_ms": r.memcpy_ms,
+        "memcpy_gbps": r.memcpy_gbps,
+        "gbps_definition": GBPS_NOTE,
+    });
+    if let (Some(c), serde_json::Value::Object(e)) = (config.as_object_mut(), extra) {
+        c.extend(e);
+    }
+    Ok(serde_json::json!({ "config": config, "rows": r.rows }))
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.2} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn header(r: &Report) -> String {
+    let c = &r.config;
+    format!(
+        "KV cache: {} layers x {} tokens x {} heads x head_dim {} x batch {}, K and V = {} values of {} \
+         (scales/biases {}), group {}; device {} ({} threads); medians of {} runs after {} warm-up",
+        c.layers,
+        c.seq_len,
+        c.heads,
+        c.head_dim,
+        c.batch,
+        c.values(),
+        c.dtype.as_str(),
+        c.dtype.as_str(),
+        c.group_size,
+        r.device,
+        r.threads,
+        c.repeats,
+        c.warmup
+    )
+}
+
+fn table(r: &Report) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header([
+        "Mode", "Memory", "Compression", "Bits/value", "Mean Err", "Max Err", "Quantize", "Dequantize", "GB/s",
+    ]);
+    for row in &r.rows {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2} ms"));
+        let gbps = match (row.quantize_gbps, row.dequantize_gbps) {
+            (Some(q), Some(d)) => format!(
+                "{q:.1} / {d:.1} ({:.2}x / {:.2}x memcpy)",
+                q / r.memcpy_gbps,
+                d / r.memcpy_gbps
+            ),
+            _ => format!("{:.1} (memcpy {:.2} ms)", row.gbps, r.memcpy_ms),
+        };
+        t.add_row([
+            row.mode.clone(),
+            mib(row.bytes),
+            format!("{:.2}x", row.compression),
+            format!("{:.2}", row.bits_per_value),
+            format!("{:.5}", row.mean_error),
+            format!("{:.5}", row.max_error),
+            ms(row.quantize_ms),
+            ms(row.dequantize_ms),
+            gbps,
+        ]);
+    }
+    for i in 1..9 {
+        if let Some(col) = t.column_mut(i) {
+            col.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t
+}
+
+fn csv(r: &Report) -> String {
+    let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
+    let mut out = String::from(
+        "mode,bits,bytes,compression,bits_per_value,mean_error,max_error,quantize_ms,dequantize_ms,gbps,\
+         quantize_gbps,dequantize_gbps,memcpy_gbps\n",
+    );
+    for row in &r.rows {
+        out.push_str(&format!(
+            "{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            row.mode,
+            row.bits.map_or(String::new(), |b| b.to_string()),
+            row.bytes,
+            row.compression,
+            row.bits_per_value,
+            row.mean_error,
+            row.max_error,
+            opt(row.quantize_ms),
+            opt(row.dequantize_ms),
+            row.gbps,
+            opt(row.quantize_gbps),
+            opt(row.dequantize_gbps),
+            r.memcpy_gbps
+        ));
+    }
+    out
 }

@@ -1,0 +1,141 @@
+// kvq: affine group quantization (DESIGN.md §4), bit-exact with MLX.
+// One thread handles 8 consecutive values of a row: 8 codes of B bits are exactly B bytes, so
+// each thread reads/writes a byte-aligned piece of the packed stream. Groups (32/64/128 values)
+// are g/8 adjacent lanes of one warp and reduce min/max with xor shuffles.
+// All float arithmetic uses explicit round-to-nearest intrinsics so nvcc never contracts
+// mul+add into an fma (which would change the last bit versus MLX's CPU output).
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// 8 values = 32 bytes (f32) or 16 bytes (f16/bf16); callers guarantee 16-byte alignment.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* v) {
+    if (sizeof(T) == 4) {
+        float4 a = reinterpret_cast<const float4*>(p)[0];
+        float4 b = reinterpret_cast<const float4*>(p)[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+        uint4 a = *reinterpret_cast<const uint4*>(p);
+        const T* h = reinterpret_cast<const T*>(&a);
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = to_f(h[k]);
+    }
+}
+
+template <typename T> __device__ __forceinline__ void store8(T* p, const float* v) {
+    if (sizeof(T) == 4) {
+        reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+        uint4 a;
+        T* h = reinterpret_cast<T*>(&a);
+#pragma unroll
+        for (int k = 0; k < 8; k++) h[k] = from_f<T>(v[k]);
+        *reinterpret_cast<uint4*>(p) = a;
+    }
+}
+
+template <typename T, int B>
+__device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t* __restrict__ codes,
+                                              T* __restrict__ scales, T* __restrict__ biases,
+                                              uint64_t nchunks, int group) {
+    const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool live = t < nchunks;
+    float v[8];
+    if (live) {
+        load8(x + t * 8, v);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = 0.f;
+    }
+    float mn = v[0], mx = v[0];
+#pragma unroll
+    for (int k = 1; k < 8; k++) { mn = fminf(mn, v[k]); mx = fmaxf(mx, v[k]); }
+    const int lanes = group / 8;  // 4, 8 or 16: aligned sub-warps
+    for (int off = lanes / 2; off > 0; off >>= 1) {
+        mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    }
+    if (!live) return;
+    const float n = (float)((1u << B) - 1);
+    const bool side = fabsf(mn) > fabsf(mx);
+    float scale = fmaxf(__fdiv_rn(__fsub_rn(mx, mn), n), 1e-7f);
+    if (!side) scale = -scale;
+    const float edge = side ? mn : mx;
+    const float q0 = rintf(__fdiv_rn(edge, scale));
+    float bias = 0.f;
+    if (q0 != 0.f) { scale = __fdiv_rn(edge, q0); bias = edge; }
+    uint64_t packed = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float c = __fdiv_rn(__fsub_rn(v[k], bias), scale);
+        c = fminf(fmaxf(c, 0.f), n);
+        packed |= (uint64_t)(uint32_t)rintf(c) << (k * B);
+    }
+    unsigned char* out = reinterpret_cast<unsigned char*>(codes) + t * B;
+    if (B == 8) *reinterpret_cast<uint64_t*>(out) = packed;
+    else if (B == 4) *reinterpret_cast<uint32_t*>(out) = (uint32_t)packed;
+    else if (B == 2) *reinterpret_cast<uint16_t*>(out) = (uint16_t)packed;
+    else {
+#pragma unroll
+        for (int k = 0; k < B; k++) out[k] = (unsigned char)(packed >> (8 * k));
+    }
+    if (t % lanes == 0) {
+        const uint64_t gi = t / lanes;
+        scales[gi] = from_f<T>(scale);
+        biases[gi] = from_f<T>(bias);
+    }
+}
+
+template <typename T, int B>
+__device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ codes, const T* __restrict__ scales,
+                                                const T* __restrict__ biases, T* __restrict__ out,
+                                                uint64_t nchunks, int group) {
+    const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= nchunks) return;
+    const uint64_t bit = t * 8 * B;
+    const uint64_t w0 = bit / 32;
+    const int s = (int)(bit % 32);
+    uint64_t win = codes[w0];
+    if (s + 8 * B > 32) win |= (uint64_t)codes[w0 + 1] << 32;
+    win >>= s;
+    const uint64_t gi = t * 8 / group;
+    const float sc = to_f(scales[gi]), bi = to_f(biases[gi]);
+    const uint32_t mask = (1u << B) - 1;
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float p = __fmul_rn((float)((uint32_t)(win >> (k * B)) & mask), sc);
+        p = to_f(from_f<T>(p));  // half types round the product, as MLX computes in half
+        v[k] = __fadd_rn(p, bi);
+    }
+    store8(out + t * 8, v);
+}
+
+#define KVQ_QUANT(TNAME, T, B)                                                                      \
+    extern "C" __global__ void quantize_##TNAME##_b##B(const T* x, uint32_t* codes, T* scales,     \
+                                                       T* biases, uint64_t nchunks, int group) {    \
+        quantize_impl<T, B>(x, codes, scales, biases, nchunks, group);                              \
+    }                                                                                               \
+    extern "C" __global__ void dequantize_##TNAME##_b##B(const uint32_t* codes, const T* scales,   \
+                                                         const T* biases, T* out, uint64_t nchunks, \
+                                                         int group) {                               \
+        dequantize_impl<T, B>(codes, scales, biases, out, nchunks, group);                          \
+    }
+
+#define KVQ_ALL_BITS(TNAME, T) \
+    KVQ_QUANT(TNAME, T, 2) KVQ_QUANT(TNAME, T, 3) KVQ_QUANT(TNAME, T, 4) \
+    KVQ_QUANT(TNAME, T, 5) KVQ_QUANT(TNAME, T, 6) KVQ_QUANT(TNAME, T, 8)
+
+KVQ_ALL_BITS(f32, float)
+KVQ_ALL_BITS(f16, __half)
+KVQ_ALL_BITS(bf16, __nv_bfloat16)

@@ -1,0 +1,133 @@
+//! Launches the fused CUDA kernels of `kernels/quant.cu` (one thread per 8 values).
+
+use super::{with_last, wrap, QuantFormat, Quantized};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor};
+use half::{bf16, f16};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/quant.ptx"));
+const MODULE: &str = "kvq_quant";
+const THREADS: u32 = 256;
+
+fn launch_cfg(nchunks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (nchunks.div_ceil(THREADS as usize) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn dtype_name(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        other => Err(super::QuantError::DType { op: "quantize", dtype: other }.into()),
+    }
+}
+
+/// The vector loads need 16-byte aligned rows: copy a tensor whose view starts mid-buffer.
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    let off = t.layout().start_offset() * t.dtype().size_in_bytes();
+    if off % 16 == 0 {
+        Ok(t)
+    } else {
+        t.copy()
+    }
+}
+
+fn cuda_parts(t: &Tensor) -> Result<(StorageRef<'_>, usize, usize)> {
+    let (s, l) = t.storage_and_layout();
+    let (o1, o2) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("kvq quant: non-contiguous CUDA input".into()))?;
+    Ok((s, o1, o2))
+}
+
+fn as_cuda(s: &Storage) -> Result<&CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => Err(candle_core::Error::Msg("kvq quant: expected CUDA storage".into())),
+    }
+}
+
+pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
+    let x = aligned(x)?;
+    fn run<T: CudaDType + DeviceRepr>(
+        x: &Tensor,
+        fmt: QuantFormat,
+        d: usize,
+    ) -> Result<(CudaDevice, CudaSlice<u32>, CudaSlice<T>, CudaSlice<T>)> {
+        let (st, o1, o2) = cuda_parts(x)?;
+        let cs = as_cuda(&st)?;
+        let dev = cs.device.clone();
+        let xs = cs.as_cuda_slice::<T>()?.slice(o1..o2);
+        let n = o2 - o1;
+        let rows = n / d;
+        let codes = unsafe { dev.alloc::<u32>(rows * fmt.words_per_row(d))? };
+        let scales = unsafe { dev.alloc::<T>(rows * fmt.groups_per_row(d))? };
+        let biases = unsafe { dev.alloc::<T>(rows * fmt.groups_per_row(d))? };
+        let name = format!("quantize_{}_b{}", dtype_name(x.dtype())?, fmt.bits());
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
+        let mut b = f.builder();
+        b.arg(&xs).arg(&codes).arg(&scales).arg(&biases).arg(&nchunks).arg(&group);
+        unsafe { b.launch(launch_cfg(n / 8)) }.w()?;
+        drop(st);
+        Ok((dev, codes, scales, biases))
+    }
+    let (words, groups) = (fmt.words_per_row(d), fmt.groups_per_row(d));
+    macro_rules! done {
+        ($t:ty) => {{
+            let (dev, c, s, b) = run::<$t>(&x, fmt, d)?;
+            Quantized {
+                codes: wrap(Storage::Cuda(CudaStorage::wrap_cuda_slice(c, dev.clone())), with_last(&x, words)),
+                scales: wrap(Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())), with_last(&x, groups)),
+                biases: wrap(Storage::Cuda(CudaStorage::wrap_cuda_slice(b, dev)), with_last(&x, groups)),
+            }
+        }};
+    }
+    Ok(match x.dtype() {
+        DType::F32 => done!(f32),
+        DType::F16 => done!(f16),
+        DType::BF16 => done!(bf16),
+        other => return Err(super::QuantError::DType { op: "quantize", dtype: other }.into()),
+    })
+}
+
+pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
+    let (codes, scales, biases) = (q.codes.contiguous()?, q.scales.contiguous()?, q.biases.contiguous()?);
+    fn run<T: CudaDType + DeviceRepr>(
+        codes: &Tensor,
+        scales: &Tensor,
+        biases: &Tensor,
+        fmt: QuantFormat,
+    ) -> Result<CudaStorage> {
+        let (cst, c1, c2) = cuda_parts(codes)?;
+        let (sst, s1, s2) = cuda_parts(scales)?;
+        let (bst, b1, b2) = cuda_parts(biases)?;
+        let cs = as_cuda(&cst)?;
+        let dev = cs.device.clone();
+        let cv = cs.as_cuda_slice::<u32>()?.slice(c1..c2);
+        let sv = as_cuda(&sst)?.as_cuda_slice::<T>()?.slice(s1..s2);
+        let bv = as_cuda(&bst)?.as_cuda_slice::<T>()?.slice(b1..b2);
+        let n = (s2 - s1) * fmt.group_size();
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let name = format!("dequantize_{}_b{}", dtype_name(scales.dtype())?, fmt.bits());
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
+        let mut b = f.builder();
+        b.arg(&cv).arg(&sv).arg(&bv).arg(&out).arg(&nchunks).arg(&group);
+        unsafe { b.launch(launch_cfg(n / 8)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let storage = match scales.dtype() {
+        DType::F32 => run::<f32>(&codes, &scales, &biases, fmt)?,
+        DType::F16 => run::<f16>(&codes, &scales, &biases, fmt)?,
+        DType::BF16 => run::<bf16>(&codes, &scales, &biases, fmt)?,
+        other => return Err(super::QuantError::DType { op: "dequantize", dtype: other }.into()),
+    };
+    Ok(wrap(Storage::Cuda(storage), with_last(&q.scales, d)))
+}

@@ -3,4 +3,5 @@
 
 pub mod attention;
 pub mod cache;
+pub mod layer;
 pub mod quant;

@@ -115,7 +115,11 @@ fn quantize_b<T: Elem, const B: u32>(
                 .zip(scales.chunks_exact_mut(groups))
                 .zip(biases.chunks_exact_mut(groups));
             for (((xr, cr), sr), br) in row_iter {
-                for (gi, (xg, cg)) in xr.chunks_exact(group).zip(cr.chunks_exact_mut(gw)).enumerate() {
+                for (gi, (xg, cg)) in xr
+                    .chunks_exact(group)
+                    .zip(cr.chunks_exact_mut(gw))
+                    .enumerate()
+                {
                     let buf = &mut buf[..group];
                     T::load(xg, buf);
                     let (mn, mx) = min_max(buf);
@@ -184,7 +188,11 @@ fn dequantize_b<T: Elem, const B: u32>(
             for (((or, cr), sr), br) in row_iter {
                 T::load(sr, &mut s32[..groups]);
                 T::load(br, &mut b32[..groups]);
-                for (gi, (og, cg)) in or.chunks_exact_mut(group).zip(cr.chunks_exact(gw)).enumerate() {
+                for (gi, (og, cg)) in or
+                    .chunks_exact_mut(group)
+                    .zip(cr.chunks_exact(gw))
+                    .enumerate()
+                {
                     let (scale, bias) = (s32[gi], b32[gi]);
                     let buf = &mut buf[..group];
                     for (bc, cc) in buf.chunks_exact_mut(32).zip(cg.chunks_exact(B as usize)) {

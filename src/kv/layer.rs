@@ -1,0 +1,119 @@
+//! One layer's K and V token slots in a block pool, dense or quantized.
+//!
+//! Slot `block * block_size + i` holds token `i` of `block`; a slot's row is all KV heads of
+//! one token (`kv_heads * head_dim` values). Quantized rows use groups along the head dimension
+//! (head_dim % group == 0), so groups never straddle heads and a row's codes are the heads'
+//! codes one after the other.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::quant::{dequantize, quantize_into, QuantFormat, Quantized};
+
+/// The element format of a layer's blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvFormat {
+    /// Plain values of this dtype.
+    Dense(DType),
+    /// Affine group quantization; scales and biases in `scale_dtype`.
+    Affine {
+        fmt: QuantFormat,
+        scale_dtype: DType,
+    },
+}
+
+impl KvFormat {
+    /// Bytes of one row (`width` values: all KV heads of one token).
+    pub fn row_bytes(&self, width: usize) -> usize {
+        match self {
+            KvFormat::Dense(dt) => width * dt.size_in_bytes(),
+            KvFormat::Affine { fmt, scale_dtype } => fmt.bytes_per_row(width, *scale_dtype),
+        }
+    }
+}
+
+/// Storage of one layer: `[slots, width]` per K and V.
+#[derive(Debug, Clone)]
+pub enum LayerKv {
+    Dense {
+        k: Tensor,
+        v: Tensor,
+    },
+    Affine {
+        fmt: QuantFormat,
+        k: Quantized,
+        v: Quantized,
+    },
+}
+
+impl LayerKv {
+    pub fn zeros(format: KvFormat, slots: usize, width: usize, dev: &Device) -> Result<Self> {
+        Ok(match format {
+            KvFormat::Dense(dt) => LayerKv::Dense {
+                k: Tensor::zeros((slots, width), dt, dev)?,
+                v: Tensor::zeros((slots, width), dt, dev)?,
+            },
+            KvFormat::Affine { fmt, scale_dtype } => {
+                fmt.check_dim(width)?;
+                let q = || -> Result<Quantized> {
+                    Ok(Quantized {
+                        codes: Tensor::zeros((slots, fmt.words_per_row(width)), DType::U32, dev)?,
+                        scales: Tensor::zeros(
+                            (slots, fmt.groups_per_row(width)),
+                            scale_dtype,
+                            dev,
+                        )?,
+                        biases: Tensor::zeros(
+                            (slots, fmt.groups_per_row(width)),
+                            scale_dtype,
+                            dev,
+                        )?,
+                    })
+                };
+                LayerKv::Affine {
+                    fmt,
+                    k: q()?,
+                    v: q()?,
+                }
+            }
+        })
+    }
+
+    /// Writes rows `k`, `v` (`[n, width]`, any float dtype) into consecutive slots
+    /// `first..first + n` (one block's run).
+    pub fn write_run(&self, first: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        match self {
+            LayerKv::Dense { k: pk, v: pv } => {
+                pk.slice_set(&k.to_dtype(pk.dtype())?.contiguous()?, 0, first)?;
+                pv.slice_set(&v.to_dtype(pv.dtype())?.contiguous()?, 0, first)
+            }
+            LayerKv::Affine { fmt, k: qk, v: qv } => {
+                let n = k.dim(0)?;
+                let slots = Tensor::arange(first as u32, (first + n) as u32, k.device())?;
+                quantize_into(&k.contiguous()?, *fmt, qk, &slots)?;
+                quantize_into(&v.contiguous()?, *fmt, qv, &slots)
+            }
+        }
+    }
+
+    /// K and V of `slots` (u32 `[n]`) as dense `[n, width]` tensors of `dtype` — quantized
+    /// rows are dequantized here, only these rows.
+    pub fn gather(&self, slots: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        match self {
+            LayerKv::Dense { k, v } => Ok((
+                k.index_select(slots, 0)?.to_dtype(dtype)?,
+                v.index_select(slots, 0)?.to_dtype(dtype)?,
+            )),
+            LayerKv::Affine { fmt, k, v } => {
+                let pick = |q: &Quantized| -> Result<Tensor> {
+                    let sub = Quantized {
+                        codes: q.codes.index_select(slots, 0)?,
+                        scales: q.scales.index_select(slots, 0)?,
+                        biases: q.biases.index_select(slots, 0)?,
+                    };
+                    dequantize(&sub, *fmt)?.to_dtype(dtype)
+                };
+                Ok((pick(k)?, pick(v)?))
+            }
+        }
+    }
+}

@@ -217,3 +217,21 @@ impl KvArgs {
         Ok(())
     }
 }
+
+impl KvArgs {
+    /// A cache for `model` able to hold `capacity_tokens` tokens (rounded up to whole blocks)
+    /// for up to `max_batch` sequences at once, in the formats these flags ask for.
+    pub fn build_cache(
+        &self,
+        model: &crate::model::llama::Llama,
+        capacity_tokens: usize,
+        max_batch: usize,
+    ) -> Result<crate::kv::cache::PagedKvCache> {
+        self.validate()?;
+        let bs = self.kv_block_size;
+        // One partial block per sequence on top of the tokens themselves.
+        let blocks = capacity_tokens.div_ceil(bs) + max_batch;
+        let cfg = crate::engine::scheduler::Engine::cache_config(model, bs, blocks, model.dtype());
+        Ok(crate::kv::cache::PagedKvCache::new(cfg, model.device())?)
+    }
+}

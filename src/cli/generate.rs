@@ -14,7 +14,6 @@ use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes, Stats};
 use crate::engine::stop::StopMatcher;
-use crate::kv::cache::PagedKvCache;
 use crate::model::chat::{read_messages, Message};
 use crate::model::load::{load, LoadedModel};
 
@@ -162,11 +161,9 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         );
     }
     let max_tokens = args.sampling.max_tokens;
-    let bs = args.kv.kv_block_size;
     let lifetime = (prompt.len() + max_tokens).min(window);
-    let cache_cfg = Engine::cache_config(model, bs, lifetime.div_ceil(bs), model.dtype());
-    let bytes_per_token = cache_cfg.bytes_per_token();
-    let cache = PagedKvCache::new(cache_cfg, model.device())?;
+    let cache = args.kv.build_cache(model, lifetime, 1)?;
+    let bytes_per_token = cache.config().bytes_per_token();
     let mut engine = Engine::new(
         model,
         cache,

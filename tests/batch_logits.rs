@@ -11,14 +11,14 @@ use kvq::model::load::load;
 
 fn cache_for(model: &Llama, blocks: usize) -> PagedKvCache {
     let c = model.config();
-    let cfg = CacheConfig {
-        num_layers: c.num_layers,
-        num_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-        block_size: 16,
-        num_blocks: blocks,
-        dtype: DType::F32,
-    };
+    let cfg = CacheConfig::dense(
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        16,
+        blocks,
+        DType::F32,
+    );
     PagedKvCache::new(cfg, &Device::Cpu).unwrap()
 }
 

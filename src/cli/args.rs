@@ -198,15 +198,41 @@ impl SamplingArgs {
     }
 }
 
-/// KV cache layout.
+/// KV cache layout and format.
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
+    /// Quantize the KV cache to this many bits per value (2, 3, 4, 5, 6 or 8; affine groups,
+    /// MLX-compatible). Absent: a dense cache in the compute dtype.
+    #[arg(long, value_name = "BITS")]
+    pub kv_bits: Option<u32>,
+
+    /// Values per quantization group along the head dimension (32, 64 or 128; must divide
+    /// head_dim). Default 64. Needs --kv-bits.
+    #[arg(long, value_name = "G")]
+    pub kv_group_size: Option<usize>,
+
+    /// Keep each sequence dense until it holds N tokens; its history is then quantized once and
+    /// it continues quantized (per sequence, also in a batch). 0 = quantize from the start.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub quantized_kv_start: usize,
+
+    /// Layers kept dense when --kv-bits is set: `last`, `first`, or a comma-separated list of
+    /// indices (negative counts from the end, e.g. `0,-1`).
+    #[arg(long, value_name = "LAYERS")]
+    pub kv_dense_layers: Option<String>,
+
+    /// Sliding window: attend to at most the W most recent tokens; older blocks are freed, so
+    /// the cache stops growing (dense and quantized alike).
+    #[arg(long, value_name = "W")]
+    pub max_kv_size: Option<usize>,
+
     /// Tokens per KV cache block (the paging unit; memory is allocated a block at a time).
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub kv_block_size: usize,
 }
 
 impl KvArgs {
+    /// Checks the flags on their own (model-independent).
     pub fn validate(&self) -> Result<()> {
         if self.kv_block_size == 0 || self.kv_block_size > 4096 {
             bail!(
@@ -214,24 +240,111 @@ impl KvArgs {
                 self.kv_block_size
             );
         }
+        if self.kv_bits.is_none() {
+            for (set, flag) in [
+                (self.kv_group_size.is_some(), "--kv-group-size"),
+                (self.quantized_kv_start > 0, "--quantized-kv-start"),
+                (self.kv_dense_layers.is_some(), "--kv-dense-layers"),
+            ] {
+                if set {
+                    bail!("{flag} only applies to a quantized cache: add --kv-bits");
+                }
+            }
+        }
+        self.quant_format()?;
+        if self.max_kv_size == Some(0) {
+            bail!("--max-kv-size must be at least 1");
+        }
         Ok(())
     }
-}
 
-impl KvArgs {
+    fn quant_format(&self) -> Result<Option<crate::kv::quant::QuantFormat>> {
+        let Some(bits) = self.kv_bits else {
+            return Ok(None);
+        };
+        let g = self.kv_group_size.unwrap_or(64);
+        crate::kv::quant::QuantFormat::new(bits, g)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("--kv-bits {bits} --kv-group-size {g}: {e}"))
+    }
+
+    /// The layers `--kv-dense-layers` names, resolved against `n` layers.
+    fn dense_layers(&self, n: usize) -> Result<Vec<usize>> {
+        let Some(spec) = &self.kv_dense_layers else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for part in spec.split(',').map(str::trim) {
+            let idx: i64 = match part {
+                "last" => -1,
+                "first" => 0,
+                p => p.parse().map_err(|_| {
+                    anyhow::anyhow!(
+                        "--kv-dense-layers: '{p}' is not a layer index (use last, first or integers)"
+                    )
+                })?,
+            };
+            let l = if idx < 0 { n as i64 + idx } else { idx };
+            if l < 0 || l >= n as i64 {
+                bail!("--kv-dense-layers: layer {idx} is out of range for a {n}-layer model");
+            }
+            out.push(l as usize);
+        }
+        Ok(out)
+    }
+
     /// A cache for `model` able to hold `capacity_tokens` tokens (rounded up to whole blocks)
-    /// for up to `max_batch` sequences at once, in the formats these flags ask for.
+    /// for up to `max_batch` sequences at once, fed in prompt chunks of `prefill_chunk` tokens,
+    /// in the formats these flags ask for.
     pub fn build_cache(
         &self,
         model: &crate::model::llama::Llama,
         capacity_tokens: usize,
         max_batch: usize,
+        prefill_chunk: usize,
     ) -> Result<crate::kv::cache::PagedKvCache> {
+        use crate::kv::cache::{CacheConfig, PagedKvCache, Staging};
+        use crate::kv::layer::KvFormat;
         self.validate()?;
+        let c = model.config();
+        let dtype = model.dtype();
         let bs = self.kv_block_size;
-        // One partial block per sequence on top of the tokens themselves.
-        let blocks = capacity_tokens.div_ceil(bs) + max_batch;
-        let cfg = crate::engine::scheduler::Engine::cache_config(model, bs, blocks, model.dtype());
-        Ok(crate::kv::cache::PagedKvCache::new(cfg, model.device())?)
+        let mut cfg = CacheConfig::dense(c.num_layers, c.num_kv_heads, c.head_dim, bs, 0, dtype);
+        if let Some(fmt) = self.quant_format()? {
+            fmt.check_dim(c.head_dim).map_err(|e| {
+                anyhow::anyhow!(
+                    "--kv-group-size {} does not fit this model's head_dim {} ({e}); \
+                     allowed group sizes divide {}",
+                    fmt.group_size(),
+                    c.head_dim,
+                    c.head_dim
+                )
+            })?;
+            let dense = self.dense_layers(c.num_layers)?;
+            for (l, f) in cfg.formats.iter_mut().enumerate() {
+                if !dense.contains(&l) {
+                    *f = KvFormat::Affine {
+                        fmt,
+                        scale_dtype: dtype,
+                    };
+                }
+            }
+            if self.quantized_kv_start > 0 {
+                cfg.staging = Some(Staging {
+                    tokens: self.quantized_kv_start,
+                    dtype,
+                    num_blocks: max_batch * (cfg.blocks_for(self.quantized_kv_start) + 1),
+                });
+            }
+        }
+        cfg.window = self.max_kv_size;
+        // Tokens plus one partial block per sequence; a window caps what a sequence holds.
+        let mut blocks = capacity_tokens.div_ceil(bs) + max_batch;
+        if cfg.window.is_some() {
+            let per_seq = cfg.max_blocks_for(usize::MAX / 2, prefill_chunk);
+            blocks = blocks.min(max_batch * per_seq);
+        }
+        cfg.num_blocks = blocks;
+        Ok(PagedKvCache::new(cfg, model.device())?)
     }
 }

@@ -17,6 +17,9 @@ use crate::engine::stop::StopMatcher;
 use crate::model::chat::{read_messages, Message};
 use crate::model::load::{load, LoadedModel};
 
+/// Prompt tokens per forward pass (bounds prefill's attention scratch memory).
+const PREFILL_CHUNK: usize = 512;
+
 #[derive(Args, Debug, Clone)]
 pub struct GenerateArgs {
     /// The prompt (a user message, rendered with the model's chat template unless --raw).
@@ -162,14 +165,14 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
     }
     let max_tokens = args.sampling.max_tokens;
     let lifetime = (prompt.len() + max_tokens).min(window);
-    let cache = args.kv.build_cache(model, lifetime, 1)?;
+    let cache = args.kv.build_cache(model, lifetime, 1, PREFILL_CHUNK)?;
     let bytes_per_token = cache.config().bytes_per_token();
     let mut engine = Engine::new(
         model,
         cache,
         EngineConfig {
             max_batch: 1,
-            prefill_chunk: 512,
+            prefill_chunk: PREFILL_CHUNK,
         },
     )?;
     engine.add(Request {

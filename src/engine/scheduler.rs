@@ -15,7 +15,7 @@ use std::time::Instant;
 use super::request::{Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
-use crate::kv::cache::{CacheConfig, PagedKvCache, SeqId};
+use crate::kv::cache::{PagedKvCache, SeqId};
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
 /// Scheduling limits.
@@ -45,8 +45,8 @@ struct Running {
     /// Prompt tokens already in the cache.
     prefilled: usize,
     generated: usize,
-    /// Most tokens this request will ever hold in the cache (its admission promise).
-    lifetime: usize,
+    /// Most main-pool blocks this request may own at once (its admission promise).
+    lifetime_blocks: usize,
 }
 
 pub struct Engine<'m> {
@@ -75,24 +75,6 @@ impl<'m> Engine<'m> {
         })
     }
 
-    /// Cache geometry for a model: `blocks` blocks of `block_size` tokens in `dtype`.
-    pub fn cache_config(
-        model: &Llama,
-        block_size: usize,
-        blocks: usize,
-        dtype: candle_core::DType,
-    ) -> CacheConfig {
-        let c = model.config();
-        CacheConfig {
-            num_layers: c.num_layers,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            block_size,
-            num_blocks: blocks,
-            dtype,
-        }
-    }
-
     /// Tokens a request may occupy in the cache at most.
     fn lifetime_tokens(&self, req: &Request) -> usize {
         let window = self.model.config().max_position_embeddings;
@@ -117,7 +99,7 @@ impl<'m> Engine<'m> {
             bail!("--max-tokens must be at least 1");
         }
         req.params.validate()?;
-        let need = self.cache.config().blocks_for(self.lifetime_tokens(&req));
+        let need = self.lifetime_blocks(&req);
         if need > self.cache.config().num_blocks {
             bail!(
                 "one request needs {need} KV blocks ({} tokens) but the cache holds only {} blocks; \
@@ -161,15 +143,20 @@ impl<'m> Engine<'m> {
         }
     }
 
+    /// Main-pool blocks a request may own at once over its life.
+    fn lifetime_blocks(&self, req: &Request) -> usize {
+        self.cache
+            .config()
+            .max_blocks_for(self.lifetime_tokens(req), self.cfg.prefill_chunk)
+    }
+
     /// Blocks the running requests may still claim beyond what they hold.
     fn promised_blocks(&self) -> usize {
         self.running
             .iter()
             .map(|r| {
-                let held = self.cache.seq_len(r.id).unwrap_or(0);
-                self.cache
-                    .blocks_needed(r.id, r.lifetime.saturating_sub(held))
-                    .unwrap_or(0)
+                r.lifetime_blocks
+                    .saturating_sub(self.cache.owned_blocks(r.id).unwrap_or(0))
             })
             .sum()
     }
@@ -179,20 +166,20 @@ impl<'m> Engine<'m> {
             let Some((_, req)) = self.waiting.front() else {
                 break;
             };
-            let need = self.cache.config().blocks_for(self.lifetime_tokens(req));
+            let need = self.lifetime_blocks(req);
             if need + self.promised_blocks() > self.cache.free_blocks() {
                 break; // waits for running requests to finish
             }
             let (id, req) = self.waiting.pop_front().expect("front exists");
             self.cache.add_sequence(id)?;
-            let lifetime = self.lifetime_tokens(&req);
+            let lifetime_blocks = self.lifetime_blocks(&req);
             self.running.push(Running {
                 id,
                 sampler: Sampler::new(req.params.clone()),
                 history: req.prompt.clone(),
                 prefilled: 0,
                 generated: 0,
-                lifetime,
+                lifetime_blocks,
                 req,
             });
         }

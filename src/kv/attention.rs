@@ -17,7 +17,9 @@ pub struct SeqSlice {
     pub offset: usize,
     pub start: usize,
     pub n: usize,
-    /// Cache slots of positions `0..start + n` (u32 `[start + n]`), shared by all layers.
+    /// First key position any of the new tokens can see (> 0 only with a sliding window).
+    pub kstart: usize,
+    /// Cache slots of positions `kstart..start + n` (u32), shared by all layers.
     pub slots: Tensor,
 }
 
@@ -30,20 +32,30 @@ pub fn paged_attention(
     batch: &[SeqSlice],
     scale: f64,
 ) -> Result<Tensor> {
+    let window = cache.config().window;
     let mut outs = Vec::with_capacity(batch.len());
     for s in batch {
         let (k, v) = cache
-            .gather(layer, &s.slots)
+            .gather(layer, s.seq, &s.slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
-        outs.push(attend_one(&qs, &k, &v, s.start, scale)?);
+        outs.push(attend_one(&qs, &k, &v, s.start, s.kstart, window, scale)?);
     }
     Tensor::cat(&outs, 0)
 }
 
 /// Causal attention of `q` (`[n, H, D]`, positions `start..start+n`) over `k`, `v`
-/// (`[L, KVH, D]`, positions `0..L`, L = start + n).
-pub fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, start: usize, scale: f64) -> Result<Tensor> {
+/// (`[L, KVH, D]`, positions `kstart..start + n`); with a `window` W a query at p sees only
+/// positions > p − W.
+pub fn attend_one(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    start: usize,
+    kstart: usize,
+    window: Option<usize>,
+    scale: f64,
+) -> Result<Tensor> {
     let (n, h, d) = q.dims3()?;
     let (l, kvh, _) = k.dims3()?;
     let g = h / kvh;
@@ -60,8 +72,9 @@ pub fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, start: usize, scale: f64) 
         .matmul(&kt.t()?)?
         .to_dtype(DType::F32)?
         .affine(scale, 0.0)?; // [KVH, G*n, L]
-    let scores = if n > 1 {
-        let mask = causal_mask(n, l, start, q.device())?; // [n, L]
+    let needs_mask = n > 1 || window.is_some_and(|w| l > w);
+    let scores = if needs_mask {
+        let mask = causal_mask(n, l, start, kstart, window, q.device())?; // [n, L]
         scores
             .reshape((kvh, g, n, l))?
             .broadcast_add(&mask)?
@@ -78,12 +91,22 @@ pub fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, start: usize, scale: f64) 
         .reshape((n, h, d))
 }
 
-/// 0 where query `i` (position `start + i`) may see key `j`, -inf after it.
-fn causal_mask(n: usize, l: usize, start: usize, dev: &candle_core::Device) -> Result<Tensor> {
+/// 0 where query `i` (position `start + i`) may see key `j` (position `kstart + j`), else -inf.
+fn causal_mask(
+    n: usize,
+    l: usize,
+    start: usize,
+    kstart: usize,
+    window: Option<usize>,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    let w = window.unwrap_or(usize::MAX);
     let mask: Vec<f32> = (0..n)
         .flat_map(|i| {
+            let p = start + i;
             (0..l).map(move |j| {
-                if j <= start + i {
+                let kp = kstart + j;
+                if kp <= p && p - kp < w {
                     0.0
                 } else {
                     f32::NEG_INFINITY
@@ -149,7 +172,7 @@ mod tests {
             let q = Tensor::randn(0f32, 1.0, (n, h, d), &dev).unwrap();
             let k = Tensor::randn(0f32, 1.0, (l, kvh, d), &dev).unwrap();
             let v = Tensor::randn(0f32, 1.0, (l, kvh, d), &dev).unwrap();
-            let got = attend_one(&q, &k, &v, start, 1.0 / (d as f64).sqrt()).unwrap();
+            let got = attend_one(&q, &k, &v, start, 0, None, 1.0 / (d as f64).sqrt()).unwrap();
             let want = naive(
                 &q.flatten_all().unwrap().to_vec1().unwrap(),
                 &k.flatten_all().unwrap().to_vec1().unwrap(),

@@ -1,17 +1,25 @@
 //! The paged KV cache: fixed-size blocks of tokens taken from a pool, a block table per sequence.
 //!
-//! Every layer owns one storage of `num_blocks * block_size` token slots per K and V; a block id
-//! names the same slots in every layer, so one block table per sequence serves all layers (as in
-//! vLLM). Adding or removing a sequence only moves block ids between the free list and a table:
-//! nobody else's data is copied, and the only waste is the unfilled tail of each sequence's last
-//! block. The pool size is fixed up front (the memory budget); `reserve` fails cleanly when it is
-//! full so the scheduler can wait instead of crashing.
+//! Every layer owns one storage of `num_blocks * block_size` token slots per K and V
+//! ([`LayerKv`]); a block id names the same slots in every layer, so one block table per
+//! sequence serves all layers (as in vLLM). Adding or removing a sequence only moves block ids
+//! between a free list and a table: nobody else's data is copied, and the only waste is the
+//! unfilled tail of each sequence's last block. Pools are sized up front (the memory budget);
+//! `reserve` fails cleanly when one is full so the scheduler can wait instead of crashing.
 //!
-//! Storage layout per layer and K/V: `[num_blocks * block_size, kv_heads * head_dim]`; slot
-//! `block * block_size + i` holds the i-th token of that block.
+//! Policies are block-level, never special cases in the model:
+//! - per-layer formats: each layer's main pool is dense or affine-quantized (`--kv-bits`,
+//!   `--kv-dense-layers`); tokens are quantized once, as they are written;
+//! - `--quantized-kv-start N`: a sequence first lives in a small dense *staging* pool; the
+//!   write that would bring it to N tokens first moves its history into the main pool
+//!   (quantizing each row exactly as a direct write would) and frees its staging blocks;
+//! - `--max-kv-size W`: blocks whose tokens no future query can see (all positions ≤ len − W)
+//!   go back to the pool, so a sequence holds at most ⌈W / block_size⌉ + 1 blocks.
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
+
+use super::layer::{KvFormat, LayerKv};
 
 /// Identifies one sequence in the cache (the scheduler's request number).
 pub type SeqId = u64;
@@ -34,7 +42,16 @@ pub enum CacheError {
 
 pub type Result<T> = std::result::Result<T, CacheError>;
 
-/// Shape and budget of a cache.
+/// Dense staging for `--quantized-kv-start`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Staging {
+    /// A sequence moves to the main pool before it reaches this many tokens.
+    pub tokens: usize,
+    pub dtype: DType,
+    pub num_blocks: usize,
+}
+
+/// Shape, formats and budget of a cache.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheConfig {
     pub num_layers: usize,
@@ -42,24 +59,56 @@ pub struct CacheConfig {
     pub head_dim: usize,
     /// Tokens per block.
     pub block_size: usize,
-    /// Blocks in the pool (the memory budget).
+    /// Blocks in the main pool (the memory budget).
     pub num_blocks: usize,
-    /// Element type of dense blocks.
-    pub dtype: DType,
+    /// Main-pool format of each layer.
+    pub formats: Vec<KvFormat>,
+    pub staging: Option<Staging>,
+    /// Sliding window: a query sees at most this many most recent positions (itself included).
+    pub window: Option<usize>,
 }
 
 impl CacheConfig {
-    /// Bytes one token occupies over all layers, K and V.
+    /// A cache with every layer in one dense dtype.
+    pub fn dense(
+        num_layers: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: DType,
+    ) -> Self {
+        Self {
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks,
+            formats: vec![KvFormat::Dense(dtype); num_layers],
+            staging: None,
+            window: None,
+        }
+    }
+
+    /// Values in one K (or V) row: all KV heads of one token.
+    pub fn width(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes one token occupies in the main pool over all layers, K and V.
     pub fn bytes_per_token(&self) -> usize {
-        self.num_layers * 2 * self.row_bytes()
+        let w = self.width();
+        self.formats.iter().map(|f| 2 * f.row_bytes(w)).sum()
     }
 
-    /// Bytes of one K (or V) row of one layer: all KV heads of one token.
-    pub fn row_bytes(&self) -> usize {
-        self.num_kv_heads * self.head_dim * self.dtype.size_in_bytes()
+    /// Bytes one token occupies in the staging pool.
+    pub fn staging_bytes_per_token(&self) -> usize {
+        self.staging.as_ref().map_or(0, |s| {
+            self.num_layers * 2 * self.width() * s.dtype.size_in_bytes()
+        })
     }
 
-    /// Bytes of one block over all layers, K and V.
+    /// Bytes of one main-pool block over all layers, K and V.
     pub fn bytes_per_block(&self) -> usize {
         self.block_size * self.bytes_per_token()
     }
@@ -68,49 +117,108 @@ impl CacheConfig {
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
+
+    /// Most main-pool blocks a sequence holding up to `tokens` tokens, fed in chunks of at most
+    /// `chunk` tokens, can own at once (the sliding window bounds it).
+    pub fn max_blocks_for(&self, tokens: usize, chunk: usize) -> usize {
+        let all = self.blocks_for(tokens);
+        match self.window {
+            Some(w) => all.min(self.blocks_for(w + chunk) + 1),
+            None => all,
+        }
+    }
 }
 
-struct LayerStore {
-    k: Tensor,
-    v: Tensor,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pool {
+    Staging,
+    Main,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct SeqState {
-    blocks: Vec<u32>,
+    pool: Pool,
+    /// Block of each position range, in order; `None` once freed by the sliding window.
+    blocks: Vec<Option<u32>>,
     len: usize,
+}
+
+struct BlockPool {
+    layers: Vec<LayerKv>,
+    free: Vec<u32>,
+    total: usize,
+}
+
+impl BlockPool {
+    fn new(
+        formats: &[KvFormat],
+        blocks: usize,
+        block_size: usize,
+        width: usize,
+        dev: &Device,
+    ) -> Result<Self> {
+        let layers = formats
+            .iter()
+            .map(|f| LayerKv::zeros(*f, blocks * block_size, width, dev))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            // Pop from the end: hand out low block ids first.
+            free: (0..blocks as u32).rev().collect(),
+            total: blocks,
+        })
+    }
+
+    fn take(&mut self, n: usize) -> Result<Vec<u32>> {
+        if n > self.free.len() {
+            return Err(CacheError::OutOfBlocks {
+                needed: n,
+                free: self.free.len(),
+                total: self.total,
+            });
+        }
+        Ok((0..n).filter_map(|_| self.free.pop()).collect())
+    }
 }
 
 pub struct PagedKvCache {
     cfg: CacheConfig,
     device: Device,
-    layers: Vec<LayerStore>,
-    free: Vec<u32>,
+    main: BlockPool,
+    staging: Option<BlockPool>,
     seqs: HashMap<SeqId, SeqState>,
-    peak_blocks: usize,
+    peak_bytes: usize,
 }
 
 impl PagedKvCache {
     pub fn new(cfg: CacheConfig, device: &Device) -> Result<Self> {
-        let slots = cfg.num_blocks * cfg.block_size;
-        let row = cfg.num_kv_heads * cfg.head_dim;
-        let layers = (0..cfg.num_layers)
-            .map(|_| {
-                Ok(LayerStore {
-                    k: Tensor::zeros((slots, row), cfg.dtype, device)?,
-                    v: Tensor::zeros((slots, row), cfg.dtype, device)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // Pop from the end: hand out low block ids first.
-        let free = (0..cfg.num_blocks as u32).rev().collect();
+        if cfg.formats.len() != cfg.num_layers {
+            return Err(candle_core::Error::Msg(format!(
+                "{} layer formats for {} layers",
+                cfg.formats.len(),
+                cfg.num_layers
+            ))
+            .into());
+        }
+        let w = cfg.width();
+        let main = BlockPool::new(&cfg.formats, cfg.num_blocks, cfg.block_size, w, device)?;
+        let staging = match &cfg.staging {
+            Some(s) => Some(BlockPool::new(
+                &vec![KvFormat::Dense(s.dtype); cfg.num_layers],
+                s.num_blocks,
+                cfg.block_size,
+                w,
+                device,
+            )?),
+            None => None,
+        };
         Ok(Self {
             cfg,
             device: device.clone(),
-            layers,
-            free,
+            main,
+            staging,
             seqs: HashMap::new(),
-            peak_blocks: 0,
+            peak_bytes: 0,
         })
     }
 
@@ -126,14 +234,26 @@ impl PagedKvCache {
         if self.seqs.contains_key(&id) {
             return Err(CacheError::DuplicateSeq(id));
         }
-        self.seqs.insert(id, SeqState::default());
+        let pool = match &self.cfg.staging {
+            Some(s) if s.tokens > 0 => Pool::Staging,
+            _ => Pool::Main,
+        };
+        self.seqs.insert(
+            id,
+            SeqState {
+                pool,
+                blocks: Vec::new(),
+                len: 0,
+            },
+        );
         Ok(())
     }
 
-    /// Drops a sequence and returns its blocks to the pool at once.
+    /// Drops a sequence and returns its blocks to their pool at once.
     pub fn remove_sequence(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            self.free.extend(s.blocks.into_iter().rev());
+            let pool = self.pool_mut(s.pool);
+            pool.free.extend(s.blocks.into_iter().flatten().rev());
         }
     }
 
@@ -141,63 +261,116 @@ impl PagedKvCache {
         self.seqs.contains_key(&id)
     }
 
-    /// Tokens the sequence holds.
+    /// Tokens the sequence holds (positions written so far).
     pub fn seq_len(&self, id: SeqId) -> Result<usize> {
         Ok(self.seq(id)?.len)
     }
 
-    /// Free blocks in the pool.
+    /// Free blocks in the main pool.
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.main.free.len()
     }
 
-    /// Blocks `id` would need to grow by `n_new` tokens.
-    pub fn blocks_needed(&self, id: SeqId, n_new: usize) -> Result<usize> {
+    /// Main-pool blocks `id` owns now.
+    pub fn owned_blocks(&self, id: SeqId) -> Result<usize> {
         let s = self.seq(id)?;
-        Ok(self
+        Ok(if s.pool == Pool::Main {
+            s.blocks.iter().flatten().count()
+        } else {
+            0
+        })
+    }
+
+    /// Makes room for `n_new` more tokens of `id` (all-or-nothing). A staging sequence that
+    /// would reach the quantization threshold moves to the main pool first.
+    pub fn reserve(&mut self, id: SeqId, n_new: usize) -> Result<()> {
+        let s = self.seq(id)?;
+        if s.pool == Pool::Staging {
+            let threshold = self.cfg.staging.as_ref().map_or(0, |st| st.tokens);
+            if s.len + n_new >= threshold {
+                self.promote(id)?;
+            }
+        }
+        let bs = self.cfg.block_size;
+        let s = self.seq(id)?;
+        let needed = self
             .cfg
             .blocks_for(s.len + n_new)
-            .saturating_sub(s.blocks.len()))
-    }
-
-    /// Makes room for `n_new` more tokens of `id`; all-or-nothing.
-    pub fn reserve(&mut self, id: SeqId, n_new: usize) -> Result<()> {
-        let needed = self.blocks_needed(id, n_new)?;
-        if needed > self.free.len() {
-            return Err(CacheError::OutOfBlocks {
-                needed,
-                free: self.free.len(),
-                total: self.cfg.num_blocks,
-            });
-        }
-        let new: Vec<u32> = (0..needed).filter_map(|_| self.free.pop()).collect();
-        self.seqs
-            .get_mut(&id)
-            .ok_or(CacheError::UnknownSeq(id))?
-            .blocks
-            .extend(new);
-        self.peak_blocks = self.peak_blocks.max(self.cfg.num_blocks - self.free.len());
+            .saturating_sub(s.blocks.len());
+        let pool = s.pool;
+        let new = self.pool_mut(pool).take(needed)?;
+        let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
+        s.blocks.extend(new.into_iter().map(Some));
+        debug_assert!(s.blocks.len() * bs >= s.len + n_new);
+        self.note_peak();
         Ok(())
     }
 
-    /// Slot index of every token position `0..len` of `id` (the gather list for attention).
-    pub fn slots(&self, id: SeqId, len: usize) -> Result<Vec<u32>> {
+    /// Moves a staging sequence's history into the main pool (quantizing it if the layer's
+    /// format says so) and frees its staging blocks.
+    fn promote(&mut self, id: SeqId) -> Result<()> {
+        let s = self.seq(id)?.clone();
+        let new = self.main.take(self.cfg.blocks_for(s.len))?;
+        let bs = self.cfg.block_size;
+        if s.len > 0 {
+            let staging = self
+                .staging
+                .as_ref()
+                .expect("staging sequence has a staging pool");
+            let src_slots: Vec<u32> = (0..s.len)
+                .map(|p| {
+                    s.blocks[p / bs].expect("staging blocks are never windowed") * bs as u32
+                        + (p % bs) as u32
+                })
+                .collect();
+            let src_slots = Tensor::from_vec(src_slots, s.len, &self.device)?;
+            for (l, dst) in self.main.layers.iter().enumerate() {
+                let (k, v) =
+                    staging.layers[l].gather(&src_slots, staging_dtype(&staging.layers[l]))?;
+                for (b, &block) in new.iter().enumerate() {
+                    let n = bs.min(s.len - b * bs);
+                    dst.write_run(
+                        block as usize * bs,
+                        &k.narrow(0, b * bs, n)?,
+                        &v.narrow(0, b * bs, n)?,
+                    )?;
+                }
+            }
+        }
+        let staging = self.staging.as_mut().expect("staging pool");
+        staging.free.extend(s.blocks.iter().flatten().rev());
+        let st = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
+        st.pool = Pool::Main;
+        st.blocks = new.into_iter().map(Some).collect();
+        Ok(())
+    }
+
+    /// First position a query at `pos` can see.
+    pub fn first_visible(&self, pos: usize) -> usize {
+        match self.cfg.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+
+    /// Slot index of each position in `from..to` of `id` (the gather list for attention).
+    pub fn slots(&self, id: SeqId, from: usize, to: usize) -> Result<Vec<u32>> {
         let s = self.seq(id)?;
         let bs = self.cfg.block_size;
-        if len > s.blocks.len() * bs {
-            return Err(candle_core::Error::Msg(format!(
-                "sequence {id}: {len} positions asked, {} reserved",
-                s.blocks.len() * bs
-            ))
-            .into());
-        }
-        Ok((0..len)
-            .map(|p| s.blocks[p / bs] * bs as u32 + (p % bs) as u32)
-            .collect())
+        (from..to)
+            .map(|p| {
+                let b = s.blocks.get(p / bs).copied().flatten().ok_or_else(|| {
+                    CacheError::Candle(candle_core::Error::Msg(format!(
+                        "sequence {id}: position {p} is not in the cache"
+                    )))
+                })?;
+                Ok(b * bs as u32 + (p % bs) as u32)
+            })
+            .collect()
     }
 
     /// Writes the K and V rows (`[n, kv_heads * head_dim]`) of positions `start..start + n` of
-    /// `id` into `layer`, one contiguous copy per block touched. Space must be reserved.
+    /// `id` into `layer`, one run per block touched. Space must be reserved.
     pub fn write(
         &self,
         layer: usize,
@@ -209,29 +382,29 @@ impl PagedKvCache {
         let s = self.seq(id)?;
         let bs = self.cfg.block_size;
         let n = k.dim(0)?;
-        let store = &self.layers[layer];
+        let store = &self.pool(s.pool).layers[layer];
         let mut done = 0;
         while done < n {
             let pos = start + done;
             let run = (bs - pos % bs).min(n - done);
-            let block = *s.blocks.get(pos / bs).ok_or_else(|| {
+            let block = s.blocks.get(pos / bs).copied().flatten().ok_or_else(|| {
                 candle_core::Error::Msg(format!("sequence {id}: position {pos} not reserved"))
             })? as usize;
-            let slot = block * bs + pos % bs;
-            store
-                .k
-                .slice_set(&k.narrow(0, done, run)?.contiguous()?, 0, slot)?;
-            store
-                .v
-                .slice_set(&v.narrow(0, done, run)?.contiguous()?, 0, slot)?;
+            store.write_run(
+                block * bs + pos % bs,
+                &k.narrow(0, done, run)?,
+                &v.narrow(0, done, run)?,
+            )?;
             done += run;
         }
         Ok(())
     }
 
-    /// Records that `n` tokens were appended to `id` (after every layer wrote them).
+    /// Records that `n` tokens were appended to `id` (after every layer wrote them), and lets
+    /// go of blocks that slid out of the window.
     pub fn advance(&mut self, id: SeqId, n: usize) -> Result<()> {
         let bs = self.cfg.block_size;
+        let window = self.cfg.window;
         let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
         if s.len + n > s.blocks.len() * bs {
             return Err(candle_core::Error::Msg(format!(
@@ -240,75 +413,156 @@ impl PagedKvCache {
             .into());
         }
         s.len += n;
+        let mut freed = Vec::new();
+        if let Some(w) = window {
+            // The next query is at position len; it sees positions > len - w.
+            let keep_from = (s.len + 1).saturating_sub(w);
+            for (b, slot) in s.blocks.iter_mut().enumerate() {
+                if (b + 1) * bs <= keep_from {
+                    if let Some(id) = slot.take() {
+                        freed.push(id);
+                    }
+                }
+            }
+        }
+        let pool = s.pool;
+        self.pool_mut(pool).free.extend(freed);
         Ok(())
     }
 
-    /// K and V of the given slots in `layer`: `[slots, kv_heads, head_dim]` each.
-    pub fn gather(&self, layer: usize, slots: &Tensor) -> Result<(Tensor, Tensor)> {
-        let store = &self.layers[layer];
+    /// K and V of `slots` of `id` in `layer` as dense `[n, kv_heads, head_dim]` of `dtype`.
+    pub fn gather(
+        &self,
+        layer: usize,
+        id: SeqId,
+        slots: &Tensor,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let s = self.seq(id)?;
         let n = slots.dim(0)?;
         let shape = (n, self.cfg.num_kv_heads, self.cfg.head_dim);
-        let k = store.k.index_select(slots, 0)?.reshape(shape)?;
-        let v = store.v.index_select(slots, 0)?.reshape(shape)?;
-        Ok((k, v))
+        let (k, v) = self.pool(s.pool).layers[layer].gather(slots, dtype)?;
+        Ok((k.reshape(shape)?, v.reshape(shape)?))
     }
 
-    /// Bytes held by the blocks sequences own now (full blocks, partial tails included).
+    /// Bytes held by the blocks sequences own now, both pools (partial tails included).
     pub fn bytes_in_use(&self) -> usize {
-        (self.cfg.num_blocks - self.free.len()) * self.cfg.bytes_per_block()
+        let main = (self.main.total - self.main.free.len()) * self.cfg.bytes_per_block();
+        let staging = self.staging.as_ref().map_or(0, |p| {
+            (p.total - p.free.len()) * self.cfg.block_size * self.cfg.staging_bytes_per_token()
+        });
+        main + staging
     }
 
     /// The most bytes held at once since the cache was made.
     pub fn peak_bytes(&self) -> usize {
-        self.peak_blocks * self.cfg.bytes_per_block()
+        self.peak_bytes
     }
 
-    /// Bytes of the tokens themselves (no partial-block tail).
+    /// Bytes of the tokens held in the main pool, without partial-block tails or windowed-out
+    /// positions (the format's formula).
     pub fn token_bytes(&self) -> usize {
-        self.seqs.values().map(|s| s.len).sum::<usize>() * self.cfg.bytes_per_token()
+        let bs = self.cfg.block_size;
+        self.seqs
+            .values()
+            .filter(|s| s.pool == Pool::Main)
+            .map(|s| {
+                let first_kept = s
+                    .blocks
+                    .iter()
+                    .position(Option::is_some)
+                    .unwrap_or(s.blocks.len());
+                s.len.saturating_sub(first_kept * bs)
+            })
+            .sum::<usize>()
+            * self.cfg.bytes_per_token()
+    }
+
+    /// Bytes allocated for the pools (the budget, whether used or not).
+    pub fn capacity_bytes(&self) -> usize {
+        self.cfg.num_blocks * self.cfg.bytes_per_block()
+            + self.cfg.staging.as_ref().map_or(0, |s| {
+                s.num_blocks * self.cfg.block_size * self.cfg.staging_bytes_per_token()
+            })
+    }
+
+    fn note_peak(&mut self) {
+        self.peak_bytes = self.peak_bytes.max(self.bytes_in_use());
     }
 
     fn seq(&self, id: SeqId) -> Result<&SeqState> {
         self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))
+    }
+
+    fn pool(&self, p: Pool) -> &BlockPool {
+        match p {
+            Pool::Main => &self.main,
+            Pool::Staging => self.staging.as_ref().expect("staging pool exists"),
+        }
+    }
+
+    fn pool_mut(&mut self, p: Pool) -> &mut BlockPool {
+        match p {
+            Pool::Main => &mut self.main,
+            Pool::Staging => self.staging.as_mut().expect("staging pool exists"),
+        }
+    }
+}
+
+fn staging_dtype(l: &LayerKv) -> DType {
+    match l {
+        LayerKv::Dense { k, .. } => k.dtype(),
+        LayerKv::Affine { k, .. } => k.scales.dtype(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::quant::QuantFormat;
 
-    fn cache(num_blocks: usize) -> PagedKvCache {
-        let cfg = CacheConfig {
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 4,
-            block_size: 4,
-            num_blocks,
-            dtype: DType::F32,
-        };
-        PagedKvCache::new(cfg, &Device::Cpu).unwrap()
+    fn cfg(num_blocks: usize) -> CacheConfig {
+        CacheConfig::dense(2, 2, 32, 4, num_blocks, DType::F32)
     }
 
     fn rows(n: usize, base: f32) -> Tensor {
-        Tensor::arange(0f32, (n * 8) as f32, &Device::Cpu)
+        Tensor::arange(0f32, (n * 64) as f32, &Device::Cpu)
             .unwrap()
-            .affine(1.0, base as f64)
+            .affine(0.01, base as f64)
             .unwrap()
-            .reshape((n, 8))
+            .reshape((n, 64))
             .unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        a.flatten_all()
+            .unwrap()
+            .sub(&b.flatten_all().unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    fn gather_all(c: &PagedKvCache, id: SeqId, from: usize, to: usize) -> (Tensor, Tensor) {
+        let slots = c.slots(id, from, to).unwrap();
+        let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
+        c.gather(0, id, &slots, DType::F32).unwrap()
     }
 
     #[test]
     fn write_then_gather_round_trips_across_blocks() {
-        let mut c = cache(8);
+        let mut c = PagedKvCache::new(cfg(8), &Device::Cpu).unwrap();
         c.add_sequence(1).unwrap();
         c.add_sequence(2).unwrap();
         // Interleave growth so the two sequences' blocks are not contiguous.
         c.reserve(1, 3).unwrap();
         c.reserve(2, 6).unwrap();
-        c.reserve(1, 6).unwrap();
-        let k1 = rows(9, 0.0);
-        let v1 = rows(9, 1000.0);
+        c.reserve(1, 9).unwrap(); // room for 9 tokens in all: a second block
+        let (k1, v1) = (rows(9, 0.0), rows(9, 10.0));
         c.write(
             0,
             1,
@@ -325,30 +579,16 @@ mod tests {
             &v1.narrow(0, 3, 6).unwrap(),
         )
         .unwrap();
-        c.write(0, 2, 0, &rows(6, 500.0), &rows(6, 600.0)).unwrap();
+        c.write(0, 2, 0, &rows(6, 5.0), &rows(6, 6.0)).unwrap();
         c.advance(1, 9).unwrap();
-        let slots = c.slots(1, 9).unwrap();
-        let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
-        let (k, v) = c.gather(0, &slots).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| {
-            a.flatten_all()
-                .unwrap()
-                .sub(&b.flatten_all().unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
-        assert_eq!(diff(&k, &k1), 0.0);
-        assert_eq!(diff(&v, &v1), 0.0);
+        let (k, v) = gather_all(&c, 1, 0, 9);
+        assert_eq!(max_diff(&k, &k1), 0.0);
+        assert_eq!(max_diff(&v, &v1), 0.0);
     }
 
     #[test]
     fn reserve_is_all_or_nothing_and_remove_frees() {
-        let mut c = cache(3);
+        let mut c = PagedKvCache::new(cfg(3), &Device::Cpu).unwrap();
         c.add_sequence(7).unwrap();
         c.reserve(7, 8).unwrap(); // 2 blocks
         assert_eq!(c.free_blocks(), 1);
@@ -368,5 +608,79 @@ mod tests {
         c.reserve(8, 5).unwrap();
         assert_eq!(c.bytes_in_use(), 2 * c.config().bytes_per_block());
         assert_eq!(c.peak_bytes(), 2 * c.config().bytes_per_block());
+    }
+
+    #[test]
+    fn sliding_window_frees_blocks_and_keeps_bytes_flat() {
+        let mut config = cfg(16);
+        config.window = Some(6);
+        let mut c = PagedKvCache::new(config, &Device::Cpu).unwrap();
+        c.add_sequence(0).unwrap();
+        let mut held = Vec::new();
+        for pos in 0..40 {
+            c.reserve(0, 1).unwrap();
+            c.write(0, 0, pos, &rows(1, pos as f32), &rows(1, 0.0))
+                .unwrap();
+            c.advance(0, 1).unwrap();
+            held.push(c.bytes_in_use());
+        }
+        // At most ceil(6/4) + 1 = 3 blocks once the window is full.
+        let max_after = held[10..].iter().max().unwrap();
+        assert!(*max_after <= 3 * c.config().bytes_per_block(), "{held:?}");
+        // The window's positions are still readable and hold what was written.
+        let (k, _) = gather_all(&c, 0, c.first_visible(40), 40);
+        let want =
+            Tensor::cat(&(35..40).map(|p| rows(1, p as f32)).collect::<Vec<_>>(), 0).unwrap();
+        assert_eq!(max_diff(&k, &want), 0.0);
+    }
+
+    #[test]
+    fn staging_promotes_to_quantized_with_the_same_codes_as_direct_writes() {
+        let fmt = QuantFormat::new(4, 32).unwrap();
+        let quant = KvFormat::Affine {
+            fmt,
+            scale_dtype: DType::F32,
+        };
+        let mut direct = cfg(8);
+        direct.formats = vec![quant; 2];
+        let mut staged = direct.clone();
+        staged.staging = Some(Staging {
+            tokens: 6,
+            dtype: DType::F32,
+            num_blocks: 4,
+        });
+        let mut a = PagedKvCache::new(direct, &Device::Cpu).unwrap();
+        let mut b = PagedKvCache::new(staged, &Device::Cpu).unwrap();
+        for c in [&mut a, &mut b] {
+            c.add_sequence(0).unwrap();
+            for pos in 0..9 {
+                c.reserve(0, 1).unwrap();
+                c.write(
+                    0,
+                    0,
+                    pos,
+                    &rows(1, pos as f32 * 0.3),
+                    &rows(1, -(pos as f32)),
+                )
+                .unwrap();
+                c.advance(0, 1).unwrap();
+            }
+        }
+        let (ka, va) = gather_all(&a, 0, 0, 9);
+        let (kb, vb) = gather_all(&b, 0, 0, 9);
+        assert_eq!(max_diff(&ka, &kb), 0.0);
+        assert_eq!(max_diff(&va, &vb), 0.0);
+        // Quantized, not exact, and the staging blocks were given back.
+        assert!(
+            max_diff(
+                &ka,
+                &Tensor::cat(
+                    &(0..9).map(|p| rows(1, p as f32 * 0.3)).collect::<Vec<_>>(),
+                    0
+                )
+                .unwrap()
+            ) > 0.0
+        );
+        assert_eq!(b.staging.as_ref().unwrap().free.len(), 4);
     }
 }

@@ -143,13 +143,15 @@ impl Llama {
                     cfg.max_position_embeddings
                 );
             }
-            let slots = cache.slots(inp.seq, start + n)?;
+            let kstart = cache.first_visible(start);
+            let slots = cache.slots(inp.seq, kstart, start + n)?;
             batch.push(SeqSlice {
                 seq: inp.seq,
                 offset: tokens.len(),
                 start,
                 n,
-                slots: Tensor::from_vec(slots, start + n, &self.device)?,
+                kstart,
+                slots: Tensor::from_vec(slots, start + n - kstart, &self.device)?,
             });
             tokens.extend_from_slice(&inp.tokens);
             positions.extend((start..start + n).map(|p| p as u32));

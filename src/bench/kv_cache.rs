@@ -153,9 +153,12 @@ fn make_tensors(cfg: &BenchConfig, device: &Device) -> Result<Vec<Tensor>> {
         .map(|i| {
             // One generator per (layer, K|V), seeded from --seed: the data does not depend on
             // how many threads ran.
-            let mut rng = StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64);
+            let mut rng =
+                StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64);
             let v: Vec<f32> = (0..n).map(|_| rng.sample(StandardNormal)).collect();
-            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(cfg.dtype)?.to_device(device)?)
+            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?
+                .to_dtype(cfg.dtype)?
+                .to_device(device)?)
         })
         .collect()
 }
@@ -174,7 +177,9 @@ fn copy(t: &Tensor) -> Result<Tensor> {
         return Ok(t.copy()?);
     }
     let (s, l) = t.storage_and_layout();
-    let (a, b) = l.contiguous_offsets().context("copy of a non-contiguous tensor")?;
+    let (a, b) = l
+        .contiguous_offsets()
+        .context("copy of a non-contiguous tensor")?;
     let out = match &*s {
         Storage::Cpu(CpuStorage::F32(v)) => CpuStorage::F32(par_copy(&v[a..b])),
         Storage::Cpu(CpuStorage::F16(v)) => CpuStorage::F16(par_copy(&v[a..b])),
@@ -226,7 +231,8 @@ fn time_ms(
 fn errors(xs: &[Tensor], qs: &[Quantized], fmt: QuantFormat) -> Result<(f64, f64)> {
     let (mut sum, mut max, mut count) = (0f64, 0f64, 0u64);
     for (x, q) in xs.iter().zip(qs) {
-        let diff = (x.to_dtype(DType::F32)? - quant::dequantize(q, fmt)?.to_dtype(DType::F32)?)?.abs()?;
+        let diff =
+            (x.to_dtype(DType::F32)? - quant::dequantize(q, fmt)?.to_dtype(DType::F32)?)?.abs()?;
         sum += diff.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         max = max.max(diff.max_all()?.to_scalar::<f32>()? as f64);
         count += x.elem_count() as u64;
@@ -270,16 +276,31 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
 
     for fmt in fmts {
         let mut qs: Vec<Quantized> = Vec::new();
-        let q_ms = time_ms(cfg, device, progress, &format!("quantize {}-bit", fmt.bits()), || {
-            qs = xs.iter().map(|x| quant::quantize(x, fmt)).collect::<candle_core::Result<_>>()?;
-            Ok(())
-        })?;
-        let dq_ms = time_ms(cfg, device, progress, &format!("dequantize {}-bit", fmt.bits()), || {
-            for q in &qs {
-                drop(quant::dequantize(q, fmt)?);
-            }
-            Ok(())
-        })?;
+        let q_ms = time_ms(
+            cfg,
+            device,
+            progress,
+            &format!("quantize {}-bit", fmt.bits()),
+            || {
+                qs = xs
+                    .iter()
+                    .map(|x| quant::quantize(x, fmt))
+                    .collect::<candle_core::Result<_>>()?;
+                Ok(())
+            },
+        )?;
+        let dq_ms = time_ms(
+            cfg,
+            device,
+            progress,
+            &format!("dequantize {}-bit", fmt.bits()),
+            || {
+                for q in &qs {
+                    drop(quant::dequantize(q, fmt)?);
+                }
+                Ok(())
+            },
+        )?;
         let bytes: u64 = qs.iter().map(|q| q.bytes() as u64).sum();
         debug_assert_eq!(bytes, cfg.quantized_bytes(fmt));
         let (mean_error, max_error) = errors(&xs, &qs, fmt)?;

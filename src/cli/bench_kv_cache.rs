@@ -73,7 +73,9 @@ fn parse_bits(s: &str) -> Result<Vec<u32>> {
         }
         match part.parse::<u32>() {
             Ok(b) => out.push(b),
-            Err(_) => bail!("--bits '{s}': '{part}' is not a bit width (allowed: 2, 3, 4, 5, 6, 8)"),
+            Err(_) => {
+                bail!("--bits '{s}': '{part}' is not a bit width (allowed: 2, 3, 4, 5, 6, 8)")
+            }
         }
     }
     Ok(out)
@@ -174,7 +176,15 @@ fn table(r: &Report) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header([
-        "Mode", "Memory", "Compression", "Bits/value", "Mean Err", "Max Err", "Quantize", "Dequantize", "GB/s",
+        "Mode",
+        "Memory",
+        "Compression",
+        "Bits/value",
+        "Mean Err",
+        "Max Err",
+        "Quantize",
+        "Dequantize",
+        "GB/s",
     ]);
     for row in &r.rows {
         let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2} ms"));

@@ -1,7 +1,9 @@
 //! Launches the fused CUDA kernels of `kernels/quant.cu` (one thread per 8 values).
 
 use super::{with_last, wrap, QuantFormat, Quantized};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
@@ -23,7 +25,11 @@ fn dtype_name(dtype: DType) -> Result<&'static str> {
         DType::F32 => Ok("f32"),
         DType::F16 => Ok("f16"),
         DType::BF16 => Ok("bf16"),
-        other => Err(super::QuantError::DType { op: "quantize", dtype: other }.into()),
+        other => Err(super::QuantError::DType {
+            op: "quantize",
+            dtype: other,
+        }
+        .into()),
     }
 }
 
@@ -49,7 +55,9 @@ fn cuda_parts(t: &Tensor) -> Result<(StorageRef<'_>, usize, usize)> {
 fn as_cuda(s: &Storage) -> Result<&CudaStorage> {
     match s {
         Storage::Cuda(c) => Ok(c),
-        _ => Err(candle_core::Error::Msg("kvq quant: expected CUDA storage".into())),
+        _ => Err(candle_core::Error::Msg(
+            "kvq quant: expected CUDA storage".into(),
+        )),
     }
 }
 
@@ -73,7 +81,12 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
         let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
         let mut b = f.builder();
-        b.arg(&xs).arg(&codes).arg(&scales).arg(&biases).arg(&nchunks).arg(&group);
+        b.arg(&xs)
+            .arg(&codes)
+            .arg(&scales)
+            .arg(&biases)
+            .arg(&nchunks)
+            .arg(&group);
         unsafe { b.launch(launch_cfg(n / 8)) }.w()?;
         drop(st);
         Ok((dev, codes, scales, biases))
@@ -83,9 +96,18 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
         ($t:ty) => {{
             let (dev, c, s, b) = run::<$t>(&x, fmt, d)?;
             Quantized {
-                codes: wrap(Storage::Cuda(CudaStorage::wrap_cuda_slice(c, dev.clone())), with_last(&x, words)),
-                scales: wrap(Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())), with_last(&x, groups)),
-                biases: wrap(Storage::Cuda(CudaStorage::wrap_cuda_slice(b, dev)), with_last(&x, groups)),
+                codes: wrap(
+                    Storage::Cuda(CudaStorage::wrap_cuda_slice(c, dev.clone())),
+                    with_last(&x, words),
+                ),
+                scales: wrap(
+                    Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+                    with_last(&x, groups),
+                ),
+                biases: wrap(
+                    Storage::Cuda(CudaStorage::wrap_cuda_slice(b, dev)),
+                    with_last(&x, groups),
+                ),
             }
         }};
     }
@@ -93,12 +115,22 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
         DType::F32 => done!(f32),
         DType::F16 => done!(f16),
         DType::BF16 => done!(bf16),
-        other => return Err(super::QuantError::DType { op: "quantize", dtype: other }.into()),
+        other => {
+            return Err(super::QuantError::DType {
+                op: "quantize",
+                dtype: other,
+            }
+            .into())
+        }
     })
 }
 
 pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
-    let (codes, scales, biases) = (q.codes.contiguous()?, q.scales.contiguous()?, q.biases.contiguous()?);
+    let (codes, scales, biases) = (
+        q.codes.contiguous()?,
+        q.scales.contiguous()?,
+        q.biases.contiguous()?,
+    );
     fn run<T: CudaDType + DeviceRepr>(
         codes: &Tensor,
         scales: &Tensor,
@@ -119,7 +151,12 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
         let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
         let mut b = f.builder();
-        b.arg(&cv).arg(&sv).arg(&bv).arg(&out).arg(&nchunks).arg(&group);
+        b.arg(&cv)
+            .arg(&sv)
+            .arg(&bv)
+            .arg(&out)
+            .arg(&nchunks)
+            .arg(&group);
         unsafe { b.launch(launch_cfg(n / 8)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -127,7 +164,13 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
         DType::F32 => run::<f32>(&codes, &scales, &biases, fmt)?,
         DType::F16 => run::<f16>(&codes, &scales, &biases, fmt)?,
         DType::BF16 => run::<bf16>(&codes, &scales, &biases, fmt)?,
-        other => return Err(super::QuantError::DType { op: "dequantize", dtype: other }.into()),
+        other => {
+            return Err(super::QuantError::DType {
+                op: "dequantize",
+                dtype: other,
+            }
+            .into())
+        }
     };
     Ok(wrap(Storage::Cuda(storage), with_last(&q.scales, d)))
 }

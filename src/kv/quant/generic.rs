@@ -9,8 +9,8 @@
 //!   stream is cut into 32-bit rows, and each word is the sum of `bit_j · 2^j` (no bits overlap,
 //!   so the sum never exceeds u32).
 
-use super::{check_input, Quantized};
 use super::format::QuantFormat;
+use super::{check_input, Quantized};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 const ROUND_MAGIC: f64 = 12_582_912.0;
@@ -31,7 +31,11 @@ fn round_half_even(v: &Tensor) -> Result<Tensor> {
 
 /// Powers of two `[2^0, .., 2^(k-1)]` as u32.
 fn powers(k: u32, device: &Device) -> Result<Tensor> {
-    Tensor::from_vec((0..k).map(|j| 1u32 << j).collect::<Vec<_>>(), k as usize, device)
+    Tensor::from_vec(
+        (0..k).map(|j| 1u32 << j).collect::<Vec<_>>(),
+        k as usize,
+        device,
+    )
 }
 
 /// Splits u32 values `[.., m]` into their low `k` bits `[.., m, k]` (LSB first), each 0 or 1.
@@ -44,7 +48,8 @@ fn to_bits(v: &Tensor, k: u32) -> Result<Tensor> {
 
 /// Joins bits `[.., m, k]` (LSB first) into u32 values `[.., m]`.
 fn from_bits(bits: &Tensor, k: u32) -> Result<Tensor> {
-    bits.broadcast_mul(&powers(k, bits.device())?)?.sum(D::Minus1)
+    bits.broadcast_mul(&powers(k, bits.device())?)?
+        .sum(D::Minus1)
 }
 
 /// Quantizes `x [..., D]` with candle ops only; same results as the fused kernels.
@@ -58,7 +63,9 @@ pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
     let wmin = xf.min_keepdim(2)?;
     let n = full_like(fmt.max_code() as f64, &wmax)?;
     let side = wmin.abs()?.gt(&wmax.abs()?)?;
-    let scale = (&wmax - &wmin)?.div(&n)?.maximum(&full_like(1e-7, &wmax)?)?;
+    let scale = (&wmax - &wmin)?
+        .div(&n)?
+        .maximum(&full_like(1e-7, &wmax)?)?;
     let scale = side.where_cond(&scale, &scale.neg()?)?;
     let edge = side.where_cond(&wmin, &wmax)?;
     let q0 = round_half_even(&edge.div(&scale)?)?;
@@ -69,8 +76,12 @@ pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
     let bias = nonzero.where_cond(&edge, &zero)?;
 
     let v = xf.broadcast_sub(&bias)?.broadcast_div(&scale)?;
-    let v = v.maximum(&v.zeros_like()?)?.minimum(&n.broadcast_as(v.shape())?)?;
-    let codes = round_half_even(&v)?.to_dtype(DType::U32)?.reshape((rows, d))?;
+    let v = v
+        .maximum(&v.zeros_like()?)?
+        .minimum(&n.broadcast_as(v.shape())?)?;
+    let codes = round_half_even(&v)?
+        .to_dtype(DType::U32)?
+        .reshape((rows, d))?;
     let stream = to_bits(&codes, b)?.reshape((rows, fmt.words_per_row(d), 32))?;
     let words = from_bits(&stream, 32)?;
 

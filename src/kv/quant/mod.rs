@@ -58,10 +58,18 @@ impl Quantized {
 /// Checks a float input `[..., D]` against the format; returns (rows, D).
 fn check_input(x: &Tensor, fmt: QuantFormat, op: &'static str) -> Result<(usize, usize)> {
     if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        return Err(QuantError::DType { op, dtype: x.dtype() }.into());
+        return Err(QuantError::DType {
+            op,
+            dtype: x.dtype(),
+        }
+        .into());
     }
     if x.rank() == 0 {
-        return Err(QuantError::Shape { op, msg: "input is a scalar; expected [..., D]".into() }.into());
+        return Err(QuantError::Shape {
+            op,
+            msg: "input is a scalar; expected [..., D]".into(),
+        }
+        .into());
     }
     let d = x.dim(D::Minus1)?;
     fmt.check_dim(d)?;
@@ -72,7 +80,10 @@ fn check_input(x: &Tensor, fmt: QuantFormat, op: &'static str) -> Result<(usize,
 fn check_quantized(q: &Quantized, fmt: QuantFormat, op: &'static str) -> Result<(usize, usize)> {
     let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
     if q.codes.dtype() != DType::U32 {
-        return Err(shape_err(format!("codes must be u32, got {:?}", q.codes.dtype())));
+        return Err(shape_err(format!(
+            "codes must be u32, got {:?}",
+            q.codes.dtype()
+        )));
     }
     let dtype = q.scales.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
@@ -88,7 +99,9 @@ fn check_quantized(q: &Quantized, fmt: QuantFormat, op: &'static str) -> Result<
         )));
     }
     if q.scales.rank() == 0 || q.codes.rank() != q.scales.rank() {
-        return Err(shape_err("codes and scales must have the same rank ≥ 1".into()));
+        return Err(shape_err(
+            "codes and scales must have the same rank ≥ 1".into(),
+        ));
     }
     let d = q.scales.dim(D::Minus1)? * fmt.group_size();
     fmt.check_dim(d)?;
@@ -167,14 +180,19 @@ pub fn quantize_into(x: &Tensor, fmt: QuantFormat, dst: &Quantized, slots: &Tens
     }
     let max_slot = slots.max(0)?.to_scalar::<u32>()? as usize;
     if n > 0 && max_slot >= pool_rows {
-        return Err(shape_err(format!("slot {max_slot} is outside the pool of {pool_rows} rows")));
+        return Err(shape_err(format!(
+            "slot {max_slot} is outside the pool of {pool_rows} rows"
+        )));
     }
     if n == 0 {
         return Ok(());
     }
     let q = quantize(&x.to_dtype(dst.scales.dtype())?, fmt)?;
     let scatter = |pool: &Tensor, src: &Tensor| -> Result<()> {
-        let idx = slots.unsqueeze(1)?.broadcast_as(src.shape())?.contiguous()?;
+        let idx = slots
+            .unsqueeze(1)?
+            .broadcast_as(src.shape())?
+            .contiguous()?;
         pool.scatter_set(&idx, src, 0)
     };
     scatter(&dst.codes, &q.codes)?;
@@ -216,7 +234,13 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
             let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, n);
             (CpuStorage::BF16(s), CpuStorage::BF16(b))
         }
-        _ => return Err(QuantError::DType { op: "quantize", dtype: x.dtype() }.into()),
+        _ => {
+            return Err(QuantError::DType {
+                op: "quantize",
+                dtype: x.dtype(),
+            }
+            .into())
+        }
     };
     Ok(Quantized {
         codes: wrap(Storage::Cpu(CpuStorage::U32(codes)), with_last(x, words)),
@@ -226,7 +250,11 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
 }
 
 fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
-    let (codes, scales, biases) = (q.codes.contiguous()?, q.scales.contiguous()?, q.biases.contiguous()?);
+    let (codes, scales, biases) = (
+        q.codes.contiguous()?,
+        q.scales.contiguous()?,
+        q.biases.contiguous()?,
+    );
     let rows = scales.elem_count() / fmt.groups_per_row(d);
     let (cs, cl) = codes.storage_and_layout();
     let (ss, sl) = scales.storage_and_layout();
@@ -237,10 +265,19 @@ fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
     };
     let ((c0, c1), (s0, s1), (b0, b1)) = (range(cl)?, range(sl)?, range(bl)?);
     let Storage::Cpu(CpuStorage::U32(cv)) = &*cs else {
-        return Err(candle_core::Error::Msg("dequantize: codes must be u32 on the CPU".into()));
+        return Err(candle_core::Error::Msg(
+            "dequantize: codes must be u32 on the CPU".into(),
+        ));
     };
     let cv = &cv[c0..c1];
-    fn run<T: cpu::Elem>(cv: &[u32], s: &[T], b: &[T], d: usize, fmt: QuantFormat, len: usize) -> Vec<T> {
+    fn run<T: cpu::Elem>(
+        cv: &[u32],
+        s: &[T],
+        b: &[T],
+        d: usize,
+        fmt: QuantFormat,
+        len: usize,
+    ) -> Vec<T> {
         let mut out = vec![T::from_f64(0.0); len];
         cpu::dequantize(cv, s, b, d, fmt.bits(), fmt.group_size(), &mut out);
         out
@@ -256,7 +293,13 @@ fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
         (Storage::Cpu(CpuStorage::BF16(s)), Storage::Cpu(CpuStorage::BF16(b))) => {
             CpuStorage::BF16(run(cv, &s[s0..s1], &b[b0..b1], d, fmt, len))
         }
-        _ => return Err(QuantError::DType { op: "dequantize", dtype: q.scales.dtype() }.into()),
+        _ => {
+            return Err(QuantError::DType {
+                op: "dequantize",
+                dtype: q.scales.dtype(),
+            }
+            .into())
+        }
     };
     Ok(wrap(Storage::Cpu(out), with_last(&q.scales, d)))
 }

@@ -98,7 +98,7 @@ mod tests {
     fn roundtrip<const B: u32>() {
         let mut q = [0u32; 32];
         for (k, c) in q.iter_mut().enumerate() {
-            *c = (k as u32 * 2654435761u32 >> 7) & ((1 << B) - 1);
+            *c = ((k as u32).wrapping_mul(2654435761) >> 7) & ((1 << B) - 1);
         }
         let mut words = vec![0u32; B as usize];
         pack32::<B>(&q, &mut words);

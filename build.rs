@@ -16,7 +16,13 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{cap}"), "-o"])
+        .args([
+            "--ptx",
+            "-O3",
+            "-std=c++17",
+            &format!("-arch=compute_{cap}"),
+            "-o",
+        ])
         .arg(out.join("quant.ptx"))
         .arg("kernels/quant.cu")
         .status()

@@ -63,17 +63,14 @@ pub(crate) fn min_max(xs: &[f32]) -> (f32, f32) {
 #[inline(always)]
 pub(crate) fn pack32<const B: u32>(q: &[u32; 32], out: &mut [u32]) {
     let out = &mut out[..B as usize];
-    let mut acc: u64 = 0;
-    let mut nbits = 0u32;
-    let mut w = 0usize;
-    for &c in q.iter() {
-        acc |= (c as u64) << nbits;
-        nbits += B;
-        if nbits >= 32 {
-            out[w] = acc as u32;
-            acc >>= 32;
-            nbits -= 32;
-            w += 1;
+    out.fill(0);
+    // Every shift below is a constant once the loop is unrolled for a given B.
+    for (k, &c) in q.iter().enumerate() {
+        let bit = k as u32 * B;
+        let (w, s) = ((bit / 32) as usize, bit % 32);
+        out[w] |= c << s;
+        if s + B > 32 {
+            out[w + 1] |= c >> (32 - s);
         }
     }
 }
@@ -101,7 +98,7 @@ mod tests {
     fn roundtrip<const B: u32>() {
         let mut q = [0u32; 32];
         for (k, c) in q.iter_mut().enumerate() {
-            *c = (k as u32 * 2654435761u32 >> 7) & ((1 << B) - 1);
+            *c = ((k as u32).wrapping_mul(2654435761) >> 7) & ((1 << B) - 1);
         }
         let mut words = vec![0u32; B as usize];
         pack32::<B>(&q, &mut words);

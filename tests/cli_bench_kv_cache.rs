@@ -1,0 +1,191 @@
+//! `kvq bench-kv-cache` through the real binary: table, JSON, CSV, refusals, and the exact
+//! memory figures of the default shape (computed from the format, without allocating 512 MiB).
+
+use kvq::bench::kv_cache::BenchConfig;
+use kvq::kv::quant::QuantFormat;
+use std::process::{Command, Output};
+
+fn kvq(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvq"))
+        .arg("bench-kv-cache")
+        .args(args)
+        .output()
+        .expect("run kvq")
+}
+
+const SMALL: &[&str] = &[
+    "--layers",
+    "2",
+    "--seq-len",
+    "64",
+    "--heads",
+    "4",
+    "--head-dim",
+    "128",
+    "--repeats",
+    "2",
+];
+
+#[test]
+fn table_names_dtype_and_rows() {
+    let out = kvq(SMALL);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = String::from_utf8(out.stdout).unwrap();
+    assert!(s.contains("values of f16"), "{s}");
+    assert!(!s.contains("FP16"));
+    for col in [
+        "Mode",
+        "Memory",
+        "Compression",
+        "Bits/value",
+        "Mean Err",
+        "Max Err",
+        "Quantize",
+        "Dequantize",
+        "GB/s",
+    ] {
+        assert!(s.contains(col), "missing column {col}: {s}");
+    }
+    // 2 layers x 64 x 4 x 128 x K,V = 131072 f16 values = 0.25 MiB.
+    assert!(s.contains("f16 (dense)") && s.contains("0.25 MiB"), "{s}");
+    assert!(
+        s.contains("8-bit") && s.contains("1.88x") && s.contains("4-bit") && s.contains("3.56x"),
+        "{s}"
+    );
+}
+
+#[test]
+fn json_has_config_and_rows() {
+    let mut args = SMALL.to_vec();
+    args.extend(["--json", "--dtype", "f32", "--bits", "8,4,3"]);
+    let out = kvq(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["config"]["dtype"], "f32");
+    assert_eq!(v["config"]["layers"], 2);
+    assert!(v["config"]["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert!(rows[0]["bits"].is_null());
+    assert_eq!(rows[0]["bytes"], 131072 * 4);
+    for (row, bits) in rows[1..].iter().zip([8, 4, 3]) {
+        assert_eq!(row["bits"], bits);
+        for k in [
+            "mode",
+            "bytes",
+            "compression",
+            "bits_per_value",
+            "mean_error",
+            "max_error",
+            "quantize_ms",
+            "dequantize_ms",
+            "gbps",
+        ] {
+            assert!(!row[k].is_null(), "row lacks {k}");
+        }
+        assert!(row["quantize_ms"].as_f64().unwrap() > 0.0);
+    }
+    // f32 data, f32 scales, g64: 8-bit = 9 bits/value, 4-bit = 5.
+    assert_eq!(rows[1]["bits_per_value"], 9.0);
+    assert_eq!(rows[2]["bytes"], 131072 * 5 / 8);
+    // Mean |error| of N(0,1) data (MLX: 0.0046 at 8 bits, 0.077 at 4 bits; within 5%).
+    let e8 = rows[1]["mean_error"].as_f64().unwrap();
+    let e4 = rows[2]["mean_error"].as_f64().unwrap();
+    assert!((e8 / 0.00456 - 1.0).abs() < 0.05, "8-bit mean error {e8}");
+    assert!((e4 / 0.07711 - 1.0).abs() < 0.05, "4-bit mean error {e4}");
+}
+
+#[test]
+fn csv_has_header_and_one_line_per_row() {
+    let mut args = SMALL.to_vec();
+    args.extend(["--csv", "--bits", "2"]);
+    let out = kvq(&args);
+    assert!(out.status.success());
+    let s = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = s.lines().collect();
+    assert_eq!(lines.len(), 3, "{s}");
+    assert!(lines[0].starts_with("mode,bits,bytes,"));
+    assert!(lines[2].starts_with("2-bit,2,"));
+}
+
+#[test]
+fn bad_flags_give_one_line_errors() {
+    for (flag, value, needle) in [
+        ("--bits", "7", "2, 3, 4, 5, 6, 8"),
+        ("--bits", "", "empty"),
+        ("--bits", "8,,4", "empty"),
+        ("--group-size", "48", "32, 64, 128"),
+        ("--head-dim", "96", "group"),
+        ("--layers", "0", "--layers"),
+        ("--seq-len", "0", "--seq-len"),
+        ("--repeats", "0", "--repeats"),
+        ("--device", "tpu", "device"),
+    ] {
+        let mut args = SMALL.to_vec();
+        match args.iter().position(|a| *a == flag) {
+            Some(i) => args[i + 1] = value,
+            None => args.extend([flag, value]),
+        }
+        let out = kvq(&args);
+        assert!(!out.status.success(), "{flag} {value} was accepted");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err.trim_end().lines().count(), 1, "{flag} {value}: {err}");
+        assert!(err.contains(needle), "{flag} {value}: {err}");
+    }
+}
+
+#[test]
+fn default_shape_memory_matches_the_issue() {
+    let mib = |b: u64| format!("{:.2}", b as f64 / 1048576.0);
+    for (dtype, dense, q8, q4, c8, c4) in [
+        (
+            candle_core::DType::F32,
+            "512.00",
+            "144.00",
+            "80.00",
+            "3.56",
+            "6.40",
+        ),
+        (
+            candle_core::DType::F16,
+            "256.00",
+            "136.00",
+            "72.00",
+            "1.88",
+            "3.56",
+        ),
+    ] {
+        let cfg = BenchConfig {
+            layers: 32,
+            seq_len: 512,
+            heads: 32,
+            head_dim: 128,
+            batch: 1,
+            bits: vec![8, 4],
+            group_size: 64,
+            dtype,
+            seed: 0,
+            warmup: 1,
+            repeats: 5,
+        };
+        cfg.validate().unwrap();
+        let (b8, b4) = (
+            cfg.quantized_bytes(QuantFormat::new(8, 64).unwrap()),
+            cfg.quantized_bytes(QuantFormat::new(4, 64).unwrap()),
+        );
+        assert_eq!(
+            (mib(cfg.dense_bytes()), mib(b8), mib(b4)),
+            (dense.into(), q8.into(), q4.into())
+        );
+        let ratio = |b: u64| format!("{:.2}", cfg.dense_bytes() as f64 / b as f64);
+        assert_eq!((ratio(b8), ratio(b4)), (c8.into(), c4.into()));
+    }
+}

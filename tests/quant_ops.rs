@@ -1,0 +1,210 @@
+//! Fused kernels against the generic candle-op path on random data of many shapes (f32, f16,
+//! bf16, leading dims, large and constant values), input refusals, and quantize_into.
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use kvq::kv::quant::{self, QuantFormat, Quantized};
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::U32 => t.to_vec1::<u32>().unwrap(),
+        _ => t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+    }
+}
+
+fn same(a: &Tensor, b: &Tensor) -> bool {
+    a.dims() == b.dims() && a.dtype() == b.dtype() && bits(a) == bits(b)
+}
+
+fn sample(shape: &[usize], dtype: DType, scale: f64) -> Tensor {
+    let x = Tensor::randn(0f32, 1f32, shape, &Device::Cpu).unwrap();
+    // Add a per-row offset so some groups are all-positive or all-negative.
+    let off = Tensor::randn(0f32, 2f32, &shape[..shape.len() - 1], &Device::Cpu).unwrap();
+    let x = x
+        .broadcast_add(&off.unsqueeze(shape.len() - 1).unwrap())
+        .unwrap();
+    (x * scale).unwrap().to_dtype(dtype).unwrap()
+}
+
+#[test]
+fn fused_equals_generic_on_random_data() {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for b in QuantFormat::BITS {
+            for g in QuantFormat::GROUP_SIZES {
+                let fmt = QuantFormat::new(b, g).unwrap();
+                for (shape, scale) in [
+                    (vec![3, 5, 256], 1.0),
+                    (vec![7, 128], 1000.0),
+                    (vec![2, 2, 2, 384], 1e-3),
+                ] {
+                    if shape[shape.len() - 1] % g != 0 {
+                        continue;
+                    }
+                    let x = sample(&shape, dtype, scale);
+                    let f = quant::quantize(&x, fmt).unwrap();
+                    let r = quant::generic::quantize(&x, fmt).unwrap();
+                    let case = format!("{dtype:?} {fmt} {shape:?}");
+                    assert!(same(&f.codes, &r.codes), "codes {case}");
+                    assert!(same(&f.scales, &r.scales), "scales {case}");
+                    assert!(same(&f.biases, &r.biases), "biases {case}");
+                    let (fd, rd) = (
+                        quant::dequantize(&f, fmt).unwrap(),
+                        quant::generic::dequantize(&r, fmt).unwrap(),
+                    );
+                    assert!(same(&fd, &rd), "deq {case}");
+                    assert_eq!(fd.dims(), x.dims());
+                    // Sanity bound: within one step (the snapped scale can leave the far end half a step short).
+                    let step = f
+                        .scales
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap();
+                    let step = step.to_scalar::<f32>().unwrap();
+                    let err = (fd.to_dtype(DType::F32).unwrap() - x.to_dtype(DType::F32).unwrap())
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap();
+                    let amax = x
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap();
+                    let eps = match dtype {
+                        DType::BF16 => 1e-2,
+                        DType::F16 => 2e-3,
+                        _ => 1e-6,
+                    };
+                    assert!(
+                        err <= step * 1.01 + eps * amax,
+                        "error {err} vs step {step} {case}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn constant_and_zero_rows_round_trip_exactly() {
+    let fmt = QuantFormat::new(4, 32).unwrap();
+    for v in [0f32, 3.25, -7.5] {
+        let x = Tensor::full(v, (2, 64), &Device::Cpu).unwrap();
+        let y = quant::dequantize(&quant::quantize(&x, fmt).unwrap(), fmt).unwrap();
+        assert_eq!(
+            y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![v; 128]
+        );
+    }
+}
+
+#[test]
+fn non_contiguous_input_is_accepted() {
+    let fmt = QuantFormat::new(8, 64).unwrap();
+    let x = sample(&[64, 4], DType::F32, 1.0)
+        .t()
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .t()
+        .unwrap()
+        .t()
+        .unwrap();
+    let xt = sample(&[4, 128], DType::F32, 1.0).t().unwrap().t().unwrap();
+    for t in [x, xt] {
+        let a = quant::quantize(&t, fmt).unwrap();
+        let b = quant::quantize(&t.contiguous().unwrap(), fmt).unwrap();
+        assert!(same(&a.codes, &b.codes));
+    }
+}
+
+#[test]
+fn refuses_bad_inputs() {
+    let fmt = QuantFormat::new(4, 64).unwrap();
+    let e = quant::quantize(
+        &Tensor::zeros((2, 96), DType::F32, &Device::Cpu).unwrap(),
+        fmt,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("32, 64, 128"), "{e}");
+    let e = quant::quantize(
+        &Tensor::zeros((2, 64), DType::U32, &Device::Cpu).unwrap(),
+        fmt,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("dtype"), "{e}");
+    let q = quant::quantize(
+        &Tensor::zeros((2, 128), DType::F32, &Device::Cpu).unwrap(),
+        fmt,
+    )
+    .unwrap();
+    let bad = Quantized {
+        codes: q.codes.narrow(1, 0, 8).unwrap(),
+        ..q.clone()
+    };
+    assert!(quant::dequantize(&bad, fmt).is_err());
+    let bad = Quantized {
+        biases: q.biases.to_dtype(DType::F16).unwrap(),
+        ..q
+    };
+    assert!(quant::dequantize(&bad, fmt).is_err());
+}
+
+#[test]
+fn quantize_into_writes_only_the_named_slots() {
+    let fmt = QuantFormat::new(3, 32).unwrap();
+    let (slots, d) = (10usize, 128usize);
+    let pool = Quantized {
+        codes: Tensor::zeros((slots, fmt.words_per_row(d)), DType::U32, &Device::Cpu).unwrap(),
+        scales: Tensor::zeros((slots, fmt.groups_per_row(d)), DType::F16, &Device::Cpu).unwrap(),
+        biases: Tensor::zeros((slots, fmt.groups_per_row(d)), DType::F16, &Device::Cpu).unwrap(),
+    };
+    let x = sample(&[3, d], DType::F32, 1.0);
+    let ids = Tensor::new(&[7u32, 2, 5], &Device::Cpu).unwrap();
+    quant::quantize_into(&x, fmt, &pool, &ids).unwrap();
+    let want = quant::quantize(&x.to_dtype(DType::F16).unwrap(), fmt).unwrap();
+    for (i, slot) in [7usize, 2, 5].into_iter().enumerate() {
+        assert!(same(
+            &pool.codes.i(slot).unwrap(),
+            &want.codes.i(i).unwrap()
+        ));
+        assert!(same(
+            &pool.scales.i(slot).unwrap(),
+            &want.scales.i(i).unwrap()
+        ));
+        assert!(same(
+            &pool.biases.i(slot).unwrap(),
+            &want.biases.i(i).unwrap()
+        ));
+    }
+    for slot in [0usize, 1, 3, 4, 6, 8, 9] {
+        assert!(
+            bits(&pool.codes.i(slot).unwrap()).iter().all(|&w| w == 0),
+            "slot {slot} touched"
+        );
+    }
+    let e = quant::quantize_into(
+        &x,
+        fmt,
+        &pool,
+        &Tensor::new(&[1u32, 2, 10], &Device::Cpu).unwrap(),
+    );
+    assert!(e.unwrap_err().to_string().contains("outside the pool"));
+}

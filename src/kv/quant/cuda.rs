@@ -63,13 +63,16 @@ fn as_cuda(s: &Storage) -> Result<&CudaStorage> {
     }
 }
 
+/// The device and the freshly written codes, scales and biases of one quantize launch.
+type Outputs<T> = (CudaDevice, CudaSlice<u32>, CudaSlice<T>, CudaSlice<T>);
+
 pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
     let x = aligned(x)?;
     fn run<T: CudaDType + DeviceRepr>(
         x: &Tensor,
         fmt: QuantFormat,
         d: usize,
-    ) -> Result<(CudaDevice, CudaSlice<u32>, CudaSlice<T>, CudaSlice<T>)> {
+    ) -> Result<Outputs<T>> {
         let (st, o1, o2) = cuda_parts(x)?;
         let cs = as_cuda(&st)?;
         let dev = cs.device.clone();

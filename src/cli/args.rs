@@ -28,7 +28,9 @@ impl DeviceArgs {
             }
             // Both candle's gemm/ops (RAYON_NUM_THREADS) and our own rayon kernels use rayon.
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-            let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+            let _ = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global();
         }
         parse_device(&self.device)
     }
@@ -69,7 +71,9 @@ pub fn parse_device(spec: &str) -> Result<Device> {
                 Ok(Device::Cpu)
             }
         }
-        other => bail!("unknown device '{other}' for --device (allowed: cpu, cuda[:N], metal[:N], auto)"),
+        other => {
+            bail!("unknown device '{other}' for --device (allowed: cpu, cuda[:N], metal[:N], auto)")
+        }
     }
 }
 

@@ -54,7 +54,9 @@ pub(super) fn decode_checked(
             &qb,
             &k.reshape(shape)?,
             &v.reshape(shape)?,
-            l - s - 1,
+            l - 1,
+            s,
+            None,
             scale as f64,
         )?);
     }

@@ -11,9 +11,7 @@ use std::path::PathBuf;
 fn golden() -> HashMap<String, Tensor> {
     let dir = std::env::var_os("KVQ_REFERENCE_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/reference"))
-        });
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/reference")));
     let path = dir.join("mlx-quant-golden.safetensors");
     candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
@@ -24,24 +22,9 @@ fn bits(t: &Tensor) -> Vec<u32> {
     let t = t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap();
     match t.dtype() {
         DType::U32 => t.to_vec1::<u32>().unwrap(),
-        DType::F32 => t
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u32)
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u32)
-            .collect(),
+        DType::F32 => t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect(),
+        DType::F16 => t.to_vec1::<half::f16>().unwrap().iter().map(|v| v.to_bits() as u32).collect(),
+        DType::BF16 => t.to_vec1::<half::bf16>().unwrap().iter().map(|v| v.to_bits() as u32).collect(),
         other => panic!("unexpected dtype {other:?}"),
     }
 }
@@ -51,13 +34,7 @@ fn assert_same(what: &str, got: &Tensor, want: &Tensor) {
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
     let (g, w) = (bits(got), bits(want));
     let bad: Vec<usize> = (0..g.len()).filter(|&i| g[i] != w[i]).collect();
-    assert!(
-        bad.is_empty(),
-        "{what}: {} of {} differ, first at {}",
-        bad.len(),
-        g.len(),
-        bad[0]
-    );
+    assert!(bad.is_empty(), "{what}: {} of {} differ, first at {}", bad.len(), g.len(), bad[0]);
 }
 
 type Quantize = fn(&Tensor, QuantFormat) -> candle_core::Result<Quantized>;
@@ -83,22 +60,10 @@ fn check_all(name: &str, device: &Device, quantize: Quantize, dequantize: Dequan
                 assert_same(&format!("{case} codes"), &q.codes, &get("codes"));
                 assert_same(&format!("{case} scales"), &q.scales, &get("scales"));
                 assert_same(&format!("{case} biases"), &q.biases, &get("biases"));
-                assert_same(
-                    &format!("{case} deq"),
-                    &dequantize(&q, fmt).unwrap(),
-                    &get("deq"),
-                );
+                assert_same(&format!("{case} deq"), &dequantize(&q, fmt).unwrap(), &get("deq"));
                 // Dequantizing MLX's own codes must also give MLX's values.
-                let theirs = Quantized {
-                    codes: get("codes"),
-                    scales: get("scales"),
-                    biases: get("biases"),
-                };
-                assert_same(
-                    &format!("{case} deq(mlx)"),
-                    &dequantize(&theirs, fmt).unwrap(),
-                    &get("deq"),
-                );
+                let theirs = Quantized { codes: get("codes"), scales: get("scales"), biases: get("biases") };
+                assert_same(&format!("{case} deq(mlx)"), &dequantize(&theirs, fmt).unwrap(), &get("deq"));
                 cases += 1;
             }
         }
@@ -108,46 +73,24 @@ fn check_all(name: &str, device: &Device, quantize: Quantize, dequantize: Dequan
 
 #[test]
 fn fused_cpu_matches_mlx() {
-    assert_eq!(
-        check_all("cpu", &Device::Cpu, quant::quantize, quant::dequantize),
-        36
-    );
+    assert_eq!(check_all("cpu", &Device::Cpu, quant::quantize, quant::dequantize), 36);
 }
 
 #[test]
 fn generic_matches_mlx() {
-    assert_eq!(
-        check_all(
-            "generic",
-            &Device::Cpu,
-            quant::generic::quantize,
-            quant::generic::dequantize
-        ),
-        36
-    );
+    assert_eq!(check_all("generic", &Device::Cpu, quant::generic::quantize, quant::generic::dequantize), 36);
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_matches_mlx() {
     let dev = Device::new_cuda(0).expect("a CUDA device (this test runs on the GPU machine)");
-    assert_eq!(
-        check_all("cuda", &dev, quant::quantize, quant::dequantize),
-        36
-    );
+    assert_eq!(check_all("cuda", &dev, quant::quantize, quant::dequantize), 36);
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_generic_matches_mlx() {
     let dev = Device::new_cuda(0).expect("a CUDA device (this test runs on the GPU machine)");
-    assert_eq!(
-        check_all(
-            "cuda-generic",
-            &dev,
-            quant::generic::quantize,
-            quant::generic::dequantize
-        ),
-        36
-    );
+    assert_eq!(check_all("cuda-generic", &dev, quant::generic::quantize, quant::generic::dequantize), 36);
 }

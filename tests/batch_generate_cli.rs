@@ -203,3 +203,56 @@ fn invalid_lines_name_file_and_line_or_become_records() {
         "per-request max_tokens wins"
     );
 }
+
+#[test]
+fn ctrl_c_writes_what_finished_and_resume_redoes_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path());
+    let out = dir.path().join("out.jsonl");
+    let (p, o) = (prompts.to_str().unwrap(), out.to_str().unwrap());
+    let child = Command::new(env!("CARGO_BIN_EXE_kvq"))
+        .args(["batch-generate", p, "-o", o, "--max-batch", "3"])
+        .args(COMMON)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&out)
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+        < 2
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "no output after 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let sent = Command::new("kill")
+        .args(["-s", "INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("interrupted:") && err.contains("--resume"),
+        "{err}"
+    );
+    let before = records(&out);
+    assert!(
+        before.len() < N,
+        "Ctrl-C did not stop admission: {} lines",
+        before.len()
+    );
+
+    let done = kvq(&[&["batch-generate", p, "-o", o, "--resume"][..], &COMMON].concat());
+    assert!(done.status.success(), "{}", stderr(&done));
+    let after = records(&out);
+    let count = ids_once(&after);
+    assert_eq!(count.len(), N, "{count:?}");
+    assert!(count.values().all(|&c| c == 1), "duplicates: {count:?}");
+    assert!(after.iter().all(|r| r["finish_reason"] != "cancelled"));
+}

@@ -1,7 +1,8 @@
 //! Greedy batched generation (max batch 8, chunked prefill, requests joining and leaving mid-run)
 //! gives the tokens each request gets alone (a fresh max-batch-1 engine per request, what
-//! `kvq generate` runs): the 12 reference prompts up to their first fragile step, at least 49 of
-//! 50 random prompts in full with any difference a near-tie, identical prompts identical.
+//! `kvq generate` runs): the 12 reference prompts up to their first fragile step (and equal to
+//! the reference there), at least 49 of 50 random prompts in full with any difference a near-tie
+//! (its top-1/top-2 margin printed), identical prompts identical.
 
 mod common;
 use candle_core::{DType, Device};
@@ -98,7 +99,8 @@ fn batched_greedy_equals_alone() {
     let cases = greedy_cases();
     let mut reqs = Vec::new();
     for c in &cases {
-        let n = ids(&c["generated_ids"]).len();
+        // Only the steps before the first fragile one are compared: generate no further.
+        let n = required_prefix(c).len().max(1);
         reqs.push(request(c["id"].clone(), ids(&c["input_ids"]), n, &eos));
     }
     // 50 prompts of random lengths cut from real text; every fifth one repeats an earlier one.
@@ -161,10 +163,6 @@ fn batched_greedy_equals_alone() {
         assert_eq!(alone[&key][..n], want[..], "{key}: alone vs reference");
         assert_eq!(batched[&key][..n], want[..], "{key}: batched vs reference");
     }
-    let ref_identical = cases
-        .iter()
-        .filter(|c| batched[&c["id"].to_string()] == alone[&c["id"].to_string()])
-        .count();
 
     // Random prompts: at least 49 of 50 in full; every difference a near-tie.
     let mut same = 0;
@@ -189,9 +187,7 @@ fn batched_greedy_equals_alone() {
             "prompt {i} differs at step {d} with margin {margin}"
         );
     }
-    eprintln!(
-        "identical in full: {same}/50 random, {ref_identical}/12 reference (all tokens, past fragile steps too)"
-    );
+    eprintln!("batched = alone in full for {same}/50 random prompts");
     assert!(same >= 49, "only {same}/50 random prompts match alone");
 
     // Identical prompts in one batch: identical outputs.

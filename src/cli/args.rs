@@ -293,9 +293,9 @@ impl KvArgs {
         Ok(out)
     }
 
-    /// A cache for `model` able to hold `capacity_tokens` tokens (rounded up to whole blocks)
-    /// for up to `max_batch` sequences at once, fed in prompt chunks of `prefill_chunk` tokens,
-    /// in the formats these flags ask for.
+    /// A cache for `model` able to hold `capacity_tokens` tokens (plus one partial block per
+    /// sequence) for up to `max_batch` sequences at once, fed in prompt chunks of
+    /// `prefill_chunk` tokens, in the formats these flags ask for.
     pub fn build_cache(
         &self,
         model: &crate::model::llama::Llama,
@@ -303,7 +303,25 @@ impl KvArgs {
         max_batch: usize,
         prefill_chunk: usize,
     ) -> Result<crate::kv::cache::PagedKvCache> {
-        use crate::kv::cache::{CacheConfig, PagedKvCache, Staging};
+        let mut cfg = self.cache_config(model, 0, max_batch)?;
+        let mut blocks = capacity_tokens.div_ceil(cfg.block_size) + max_batch;
+        if cfg.window.is_some() {
+            // A window caps what each sequence can hold.
+            blocks = blocks.min(max_batch * cfg.max_blocks_for(usize::MAX / 2, prefill_chunk));
+        }
+        cfg.num_blocks = blocks;
+        Ok(crate::kv::cache::PagedKvCache::new(cfg, model.device())?)
+    }
+
+    /// The cache geometry these flags ask for, with `num_blocks` main-pool blocks and dense
+    /// staging (for --quantized-kv-start) sized for `max_batch` sequences. Allocates nothing.
+    pub fn cache_config(
+        &self,
+        model: &crate::model::llama::Llama,
+        num_blocks: usize,
+        max_batch: usize,
+    ) -> Result<crate::kv::cache::CacheConfig> {
+        use crate::kv::cache::{CacheConfig, Staging};
         use crate::kv::layer::KvFormat;
         self.validate()?;
         let c = model.config();
@@ -338,13 +356,7 @@ impl KvArgs {
             }
         }
         cfg.window = self.max_kv_size;
-        // Tokens plus one partial block per sequence; a window caps what a sequence holds.
-        let mut blocks = capacity_tokens.div_ceil(bs) + max_batch;
-        if cfg.window.is_some() {
-            let per_seq = cfg.max_blocks_for(usize::MAX / 2, prefill_chunk);
-            blocks = blocks.min(max_batch * per_seq);
-        }
-        cfg.num_blocks = blocks;
-        Ok(PagedKvCache::new(cfg, model.device())?)
+        cfg.num_blocks = num_blocks;
+        Ok(cfg)
     }
 }

@@ -21,6 +21,7 @@ use crate::engine::batch_io::{
 use crate::engine::request::Request;
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes};
+use crate::kv::cache::PagedKvCache;
 use crate::model::chat::Message;
 use crate::model::load::{load, LoadedModel};
 
@@ -141,13 +142,14 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         .map(|(_, b)| lifetime(&b.request, window))
         .max()
         .unwrap_or(1);
-    let probe = args.kv.build_cache(model, 0, 1)?;
-    let block_size = probe.config().block_size;
-    let block_bytes = probe.config().bytes_per_block();
-    drop(probe);
+    let probe = args.kv.cache_config(model, 0, args.max_batch)?;
+    let block_size = probe.block_size;
+    let block_bytes = probe.bytes_per_block();
     let blocks = budget_blocks(args, longest, block_size, block_bytes);
-    // max_batch 0: the budget already is whole blocks, no per-sequence slack on top.
-    let cache = args.kv.build_cache(model, blocks * block_size, 0)?;
+    let cache = PagedKvCache::new(
+        args.kv.cache_config(model, blocks, args.max_batch)?,
+        model.device(),
+    )?;
     let kv_budget = blocks * block_bytes;
     let mut engine = Engine::new(
         model,

@@ -215,8 +215,8 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
         codes: &mut [u32],
         n: usize,
     ) -> (Vec<T>, Vec<T>) {
-        let mut s = vec![T::from_f64(0.0); n];
-        let mut b = vec![T::from_f64(0.0); n];
+        let mut s = T::zeros(n);
+        let mut b = T::zeros(n);
         cpu::quantize(x, d, fmt.bits(), fmt.group_size(), codes, &mut s, &mut b);
         (s, b)
     }
@@ -278,7 +278,7 @@ fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
         fmt: QuantFormat,
         len: usize,
     ) -> Vec<T> {
-        let mut out = vec![T::from_f64(0.0); len];
+        let mut out = T::zeros(len);
         cpu::dequantize(cv, s, b, d, fmt.bits(), fmt.group_size(), &mut out);
         out
     }

@@ -11,9 +11,9 @@
 use super::pack::{code_of, group_params, min_max, pack32, unpack32};
 use candle_core::WithDType;
 use half::slice::HalfFloatSliceExt;
-use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -39,8 +39,6 @@ pub(crate) trait Elem: WithDType + Copy + Send + Sync + Simd {
     fn store(src: &[f32], dst: &mut [Self]);
     /// Rounds each value to this type's precision (identity for f32).
     fn narrow(buf: &mut [f32]);
-    /// `n` zeros from a zeroed allocation: the pages are mapped lazily, with no fill pass.
-    fn zeros(n: usize) -> Vec<Self>;
 }
 
 impl Elem for f32 {
@@ -54,9 +52,6 @@ impl Elem for f32 {
     }
     #[inline(always)]
     fn narrow(_: &mut [f32]) {}
-    fn zeros(n: usize) -> Vec<Self> {
-        vec![0.0; n]
-    }
 }
 
 impl Elem for f16 {
@@ -74,9 +69,6 @@ impl Elem for f16 {
         let tmp = &mut tmp[..buf.len()];
         Self::store(buf, tmp);
         Self::load(tmp, buf);
-    }
-    fn zeros(n: usize) -> Vec<Self> {
-        vec![0u16; n].reinterpret_into()
     }
 }
 
@@ -105,9 +97,16 @@ impl Elem for bf16 {
         Self::store(buf, tmp);
         Self::load(tmp, buf);
     }
-    fn zeros(n: usize) -> Vec<Self> {
-        vec![0u16; n].reinterpret_into()
+}
+
+/// Zero-fills an output chunk for the portable kernels, which take initialised slices. (The
+/// vector kernels write every output element exactly once and need no such pass.)
+fn init<T: Copy>(s: &mut [MaybeUninit<T>], zero: T) -> &mut [T] {
+    for v in s.iter_mut() {
+        v.write(zero);
     }
+    // SAFETY: every element was just written, and MaybeUninit<T> has T's layout.
+    unsafe { &mut *(s as *mut [MaybeUninit<T>] as *mut [T]) }
 }
 
 /// Rows per rayon task for rows of `d` values.
@@ -115,15 +114,16 @@ fn rows_per_task(d: usize) -> usize {
     (VALUES_PER_TASK / d).max(1)
 }
 
-/// Quantizes contiguous rows of `d` values. Output slices are sized by the caller from the format.
+/// Quantizes contiguous rows of `d` values. Output slices are sized by the caller from the format;
+/// every element of them is written.
 pub(crate) fn quantize<T: Elem>(
     x: &[T],
     d: usize,
     bits: u32,
     group: usize,
-    codes: &mut [u32],
-    scales: &mut [T],
-    biases: &mut [T],
+    codes: &mut [MaybeUninit<u32>],
+    scales: &mut [MaybeUninit<T>],
+    biases: &mut [MaybeUninit<T>],
 ) {
     match bits {
         2 => quantize_b::<T, 2>(x, d, group, codes, scales, biases),
@@ -140,9 +140,9 @@ fn quantize_b<T: Elem, const B: u32>(
     x: &[T],
     d: usize,
     group: usize,
-    codes: &mut [u32],
-    scales: &mut [T],
-    biases: &mut [T],
+    codes: &mut [MaybeUninit<u32>],
+    scales: &mut [MaybeUninit<T>],
+    biases: &mut [MaybeUninit<T>],
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
@@ -156,6 +156,8 @@ fn quantize_b<T: Elem, const B: u32>(
                 // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
                 return unsafe { x86::quantize_block::<T, B>(x, d, group, codes, scales, biases) };
             }
+            let zero = T::from_f64(0.0);
+            let (codes, scales, biases) = (init(codes, 0), init(scales, zero), init(biases, zero));
             quantize_task::<T, B>(x, d, group, codes, scales, biases)
         });
 }
@@ -205,7 +207,7 @@ fn quantize_task<T: Elem, const B: u32>(
     }
 }
 
-/// Dequantizes contiguous rows of `d` values into `out`.
+/// Dequantizes contiguous rows of `d` values into `out`, writing every element.
 pub(crate) fn dequantize<T: Elem>(
     codes: &[u32],
     scales: &[T],
@@ -213,7 +215,7 @@ pub(crate) fn dequantize<T: Elem>(
     d: usize,
     bits: u32,
     group: usize,
-    out: &mut [T],
+    out: &mut [MaybeUninit<T>],
 ) {
     match bits {
         2 => dequantize_b::<T, 2>(codes, scales, biases, d, group, out),
@@ -232,7 +234,7 @@ fn dequantize_b<T: Elem, const B: u32>(
     biases: &[T],
     d: usize,
     group: usize,
-    out: &mut [T],
+    out: &mut [MaybeUninit<T>],
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
@@ -248,6 +250,7 @@ fn dequantize_b<T: Elem, const B: u32>(
                     x86::dequantize_block::<T, B>(codes, scales, biases, d, group, out)
                 };
             }
+            let out = init(out, T::from_f64(0.0));
             dequantize_task::<T, B>(codes, scales, biases, d, group, out)
         });
 }
@@ -325,6 +328,12 @@ mod tests {
         x
     }
 
+    /// An initialised slice seen as an output slice (only valid values are written to it).
+    fn uninit<T>(s: &mut [T]) -> &mut [MaybeUninit<T>] {
+        // SAFETY: same layout; writing initialised values keeps the Vec valid.
+        unsafe { &mut *(s as *mut [T] as *mut [MaybeUninit<T>]) }
+    }
+
     fn bits<T: Elem>(v: &[T]) -> Vec<u64> {
         v.iter().map(|x| x.to_f64().to_bits()).collect()
     }
@@ -336,19 +345,21 @@ mod tests {
             .map(|v| T::from_f64(v as f64))
             .collect();
         let (nw, ng) = (rows * d * B as usize / 32, rows * d / group);
-        let (mut c0, mut s0, mut b0) = (vec![0u32; nw], T::zeros(ng), T::zeros(ng));
-        let (mut c1, mut s1, mut b1) = (vec![0u32; nw], T::zeros(ng), T::zeros(ng));
+        let z = T::from_f64(0.0);
+        let (mut c0, mut s0, mut b0) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
+        let (mut c1, mut s1, mut b1) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
         quantize_task::<T, B>(&x, d, group, &mut c0, &mut s0, &mut b0);
+        let (c1u, s1u, b1u) = (uninit(&mut c1), uninit(&mut s1), uninit(&mut b1));
         // SAFETY: only reached when AVX2 and F16C are present (checked by the caller).
-        unsafe { x86::quantize_block::<T, B>(&x, d, group, &mut c1, &mut s1, &mut b1) };
+        unsafe { x86::quantize_block::<T, B>(&x, d, group, c1u, s1u, b1u) };
         let what = format!("{:?} bits {B} group {group}", T::DTYPE);
         assert_eq!(c0, c1, "codes, {what}");
         assert_eq!(bits(&s0), bits(&s1), "scales, {what}");
         assert_eq!(bits(&b0), bits(&b1), "biases, {what}");
-        let (mut o0, mut o1) = (T::zeros(rows * d), T::zeros(rows * d));
+        let (mut o0, mut o1) = (vec![z; rows * d], vec![z; rows * d]);
         dequantize_task::<T, B>(&c0, &s0, &b0, d, group, &mut o0);
         // SAFETY: as above.
-        unsafe { x86::dequantize_block::<T, B>(&c0, &s0, &b0, d, group, &mut o1) };
+        unsafe { x86::dequantize_block::<T, B>(&c0, &s0, &b0, d, group, uninit(&mut o1)) };
         assert_eq!(bits(&o0), bits(&o1), "dequantized, {what}");
     }
 

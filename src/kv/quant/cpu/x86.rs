@@ -13,6 +13,7 @@
 use super::super::pack::group_params;
 use half::{bf16, f16};
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// Whether the AVX2/F16C kernels may run on this CPU.
 pub(super) fn available() -> bool {
@@ -242,7 +243,7 @@ unsafe fn pack32<const B: u32>(q: [__m256i; 4], out: *mut u32) {
     }
 }
 
-/// Quantizes a block of whole rows. Slice lengths must follow the format (`x.len() = rows*d`,
+/// Quantizes a block of whole rows, writing every element of the three outputs. Slice lengths must follow the format (`x.len() = rows*d`,
 /// `codes.len() = rows*d*B/32`, `scales.len() = biases.len() = rows*d/group`); they are checked.
 /// Groups go in passes: min/max of each group, then the parameters of 8 groups per vector, then
 /// the codes (the group's values are re-read from cache).
@@ -251,9 +252,9 @@ pub(super) unsafe fn quantize_block<T: Lanes, const B: u32>(
     x: &[T],
     d: usize,
     group: usize,
-    codes: &mut [u32],
-    scales: &mut [T],
-    biases: &mut [T],
+    codes: &mut [MaybeUninit<u32>],
+    scales: &mut [MaybeUninit<T>],
+    biases: &mut [MaybeUninit<T>],
 ) {
     let b = B as usize;
     let rows = x.len() / d;
@@ -293,16 +294,16 @@ pub(super) unsafe fn quantize_block<T: Lanes, const B: u32>(
             let (scale, bias) = group_params8(mn, mx, vn);
             _mm256_storeu_ps(scale_buf.as_mut_ptr().add(j), scale);
             _mm256_storeu_ps(bias_buf.as_mut_ptr().add(j), bias);
-            T::store8(scales.as_mut_ptr().add(g0 + j), scale);
-            T::store8(biases.as_mut_ptr().add(g0 + j), bias);
+            T::store8(scales.as_mut_ptr().add(g0 + j) as *mut T, scale);
+            T::store8(biases.as_mut_ptr().add(g0 + j) as *mut T, bias);
         }
         for j in whole..count {
             let (scale, bias) = group_params(lo_buf[j], hi_buf[j], n);
             (scale_buf[j], bias_buf[j]) = (scale, bias);
-            *scales.get_unchecked_mut(g0 + j) = T::from_f32(scale);
-            *biases.get_unchecked_mut(g0 + j) = T::from_f32(bias);
+            scales.get_unchecked_mut(g0 + j).write(T::from_f32(scale));
+            biases.get_unchecked_mut(g0 + j).write(T::from_f32(bias));
         }
-        let mut out = codes.as_mut_ptr().add(g0 * group * b / 32);
+        let mut out = codes.as_mut_ptr().add(g0 * group * b / 32) as *mut u32;
         for j in 0..count {
             let gp = xp.add(j * group);
             let (vs, vb) = (_mm256_set1_ps(scale_buf[j]), _mm256_set1_ps(bias_buf[j]));
@@ -355,7 +356,7 @@ unsafe fn codes8<const B: u32>(w: *const u32, k: usize) -> __m256i {
     _mm256_and_si256(_mm256_srlv_epi32(v, lane_shifts::<B>()), mask)
 }
 
-/// Dequantizes a block of whole rows; slice lengths as for [`quantize_block`], checked.
+/// Dequantizes a block of whole rows, writing every element of `out`; slice lengths as for [`quantize_block`], checked.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn dequantize_block<T: Lanes, const B: u32>(
     codes: &[u32],
@@ -363,7 +364,7 @@ pub(super) unsafe fn dequantize_block<T: Lanes, const B: u32>(
     biases: &[T],
     d: usize,
     group: usize,
-    out: &mut [T],
+    out: &mut [MaybeUninit<T>],
 ) {
     let b = B as usize;
     let rows = out.len() / d;
@@ -378,7 +379,7 @@ pub(super) unsafe fn dequantize_block<T: Lanes, const B: u32>(
     for gi in 0..groups {
         let vs = _mm256_set1_ps(scales.get_unchecked(gi).to_f32());
         let vb = _mm256_set1_ps(biases.get_unchecked(gi).to_f32());
-        let op = out.as_mut_ptr().add(gi * group);
+        let op = out.as_mut_ptr().add(gi * group) as *mut T;
         let wp = codes.as_ptr().add(gi * group * b / 32);
         for c in 0..group / 32 {
             let w = wp.add(c * b);

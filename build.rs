@@ -15,17 +15,22 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    let status = Command::new(&nvcc)
-        .args([
-            "--ptx",
-            "-O3",
-            "-std=c++17",
-            &format!("-arch=compute_{cap}"),
-            "-o",
-        ])
-        .arg(out.join("quant.ptx"))
-        .arg("kernels/quant.cu")
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run {nvcc}: {e} (source ../shared/cuda/env.sh first)"));
-    assert!(status.success(), "nvcc failed on kernels/quant.cu");
+    // One PTX per kernel file: quant.cu (quantization), decode.cu (decode attention).
+    for name in ["quant", "decode"] {
+        let status = Command::new(&nvcc)
+            .args([
+                "--ptx",
+                "-O3",
+                "-std=c++17",
+                &format!("-arch=compute_{cap}"),
+                "-o",
+            ])
+            .arg(out.join(format!("{name}.ptx")))
+            .arg(format!("kernels/{name}.cu"))
+            .status()
+            .unwrap_or_else(|e| {
+                panic!("cannot run {nvcc}: {e} (source ../shared/cuda/env.sh first)")
+            });
+        assert!(status.success(), "nvcc failed on kernels/{name}.cu");
+    }
 }

@@ -44,28 +44,14 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const float* 
     }
 }
 
+// Chunks of 8 values per thread in quantize: all loads are issued before any arithmetic so
+// enough bytes are in flight per SM to cover memory latency (one 16-byte load each is too few).
+#define KVQ_Q_UNROLL 4
+
 template <typename T, int B>
-__device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t* __restrict__ codes,
-                                              T* __restrict__ scales, T* __restrict__ biases,
-                                              uint64_t nchunks, int group) {
-    const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool live = t < nchunks;
-    float v[8];
-    if (live) {
-        load8(x + t * 8, v);
-    } else {
-#pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = 0.f;
-    }
-    float mn = v[0], mx = v[0];
-#pragma unroll
-    for (int k = 1; k < 8; k++) { mn = fminf(mn, v[k]); mx = fmaxf(mx, v[k]); }
-    const int lanes = group / 8;  // 4, 8 or 16: aligned sub-warps
-    for (int off = lanes / 2; off > 0; off >>= 1) {
-        mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    }
-    if (!live) return;
+__device__ __forceinline__ void quantize_chunk(const float* v, float mn, float mx, uint64_t t, int lanes,
+                                               uint32_t* __restrict__ codes, T* __restrict__ scales,
+                                               T* __restrict__ biases) {
     const float n = (float)((1u << B) - 1);
     const bool side = fabsf(mn) > fabsf(mx);
     float scale = fmaxf(__fdiv_rn(__fsub_rn(mx, mn), n), 1e-7f);
@@ -93,6 +79,38 @@ __device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t*
         const uint64_t gi = t / lanes;
         scales[gi] = from_f<T>(scale);
         biases[gi] = from_f<T>(bias);
+    }
+}
+
+template <typename T, int B>
+__device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t* __restrict__ codes,
+                                              T* __restrict__ scales, T* __restrict__ biases,
+                                              uint64_t nchunks, int group) {
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;  // a multiple of 32: lanes stay aligned
+    const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int lanes = group / 8;  // 4, 8 or 16: aligned sub-warps
+    float v[KVQ_Q_UNROLL][8];
+#pragma unroll
+    for (int u = 0; u < KVQ_Q_UNROLL; u++) {
+        const uint64_t t = t0 + u * stride;
+        if (t < nchunks) {
+            load8(x + t * 8, v[u]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[u][k] = 0.f;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < KVQ_Q_UNROLL; u++) {
+        const uint64_t t = t0 + u * stride;
+        float mn = v[u][0], mx = v[u][0];
+#pragma unroll
+        for (int k = 1; k < 8; k++) { mn = fminf(mn, v[u][k]); mx = fmaxf(mx, v[u][k]); }
+        for (int off = lanes / 2; off > 0; off >>= 1) {
+            mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        }
+        if (t < nchunks) quantize_chunk<T, B>(v[u], mn, mx, t, lanes, codes, scales, biases);
     }
 }
 

@@ -14,6 +14,8 @@ struct Cli {
 enum Command {
     /// Generate text for one prompt, streamed to stdout.
     Generate(Box<cli::generate::GenerateArgs>),
+    /// Generate for many prompts from a file (continuous batching); one JSON line per request.
+    BatchGenerate(Box<cli::batch_generate::BatchGenerateArgs>),
     /// Memory, compression, error and latency of f16 vs quantized KV caches.
     BenchKvCache(cli::bench_kv_cache::BenchKvCacheArgs),
 }
@@ -36,6 +38,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Generate(a) => cli::generate::run(a),
+        Command::BatchGenerate(a) => cli::batch_generate::run(a),
         Command::BenchKvCache(a) => cli::bench_kv_cache::run(a),
     };
     if let Err(e) = result {

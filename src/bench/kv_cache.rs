@@ -7,11 +7,19 @@
 //! throughputs are comparable: every GB/s here is (bytes read + bytes written) / time, 1 GB =
 //! 1e9 bytes. Quantize reads the dense tensors and writes codes + scales + biases; dequantize
 //! does the reverse; the copy reads and writes the dense tensors.
+//!
+//! Attention columns: for each context length of `seq_lens`, one decode step of attention
+//! ([`decode_attention`]) for a batch of `batch` sequences over one layer's paged pool (blocks of
+//! `block_size` tokens in shuffled order, `heads` KV heads, `heads * gqa` query heads), per mode:
+//! the dense cache of `dtype` and each bit width. Times are per layer, medians, device-synchronised;
+//! the error is max |out - out_dense| over the attention outputs (same K/V data, same queries).
 
+use crate::kv::decode::decode_attention;
+use crate::kv::layer::{KvFormat, LayerKv};
 use crate::kv::quant::{self, QuantFormat, Quantized};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use rand_distr::StandardNormal;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -21,7 +29,14 @@ use std::time::Instant;
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchConfig {
     pub layers: usize,
+    /// Tokens per sequence of the memory/quantize table (the first of `--seq-len`).
     pub seq_len: usize,
+    /// Context lengths of the attention measurement (all of `--seq-len`); empty = none.
+    pub seq_lens: Vec<usize>,
+    /// Query heads per KV head in the attention measurement.
+    pub gqa: usize,
+    /// Tokens per cache block in the attention measurement.
+    pub block_size: usize,
     pub heads: usize,
     pub head_dim: usize,
     pub batch: usize,
@@ -48,10 +63,15 @@ impl BenchConfig {
             ("--head-dim", self.head_dim),
             ("--batch", self.batch),
             ("--repeats", self.repeats),
+            ("--gqa", self.gqa),
+            ("--block-size", self.block_size),
         ] {
             if v == 0 {
                 bail!("{name} must be at least 1");
             }
+        }
+        if self.seq_lens.contains(&0) {
+            bail!("--seq-len entries must be at least 1");
         }
         if !matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
             bail!("--dtype must be f16, bf16 or f32");
@@ -114,6 +134,24 @@ pub struct Row {
     pub dequantize_vs_memcpy: Option<f64>,
 }
 
+/// One decode-step attention measurement; `bits == None` is the dense baseline.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttnRow {
+    pub seq_len: usize,
+    pub mode: String,
+    pub bits: Option<u32>,
+    /// Median time of one layer's decode attention for the whole batch.
+    pub ms: f64,
+    /// Dense time / this time, same context length.
+    pub speedup_vs_dense: f64,
+    /// max |output - dense output|.
+    pub max_abs_error: f64,
+    /// K and V bytes of the attended tokens (the bytes a step must read).
+    pub kv_bytes: u64,
+    /// kv_bytes / ms.
+    pub kv_gbps: f64,
+}
+
 /// Everything one run measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -123,6 +161,7 @@ pub struct Report {
     pub memcpy_ms: f64,
     pub memcpy_gbps: f64,
     pub rows: Vec<Row>,
+    pub attention: Vec<AttnRow>,
 }
 
 /// Progress callback: called once per finished step, with the total number of steps first.
@@ -134,7 +173,10 @@ pub trait Progress {
 /// Steps [`run`] reports, for sizing a progress bar.
 fn total_steps(cfg: &BenchConfig) -> u64 {
     let timed = (cfg.warmup + cfg.repeats) as u64;
-    1 + timed + cfg.bits.len() as u64 * (2 * timed + 1)
+    let modes = 1 + cfg.bits.len() as u64;
+    1 + timed
+        + cfg.bits.len() as u64 * (2 * timed + 1)
+        + cfg.seq_lens.len() as u64 * (1 + modes * timed)
 }
 
 fn device_name(d: &Device) -> String {
@@ -282,7 +324,7 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
         dequantize_vs_memcpy: None,
     }];
 
-    for fmt in fmts {
+    for &fmt in &fmts {
         // Each result is dropped before the next tensor, exactly like the copy's and the
         // dequantize's, so all three time the same allocation pattern; the kept set is made
         // untimed.
@@ -337,6 +379,11 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
             dequantize_vs_memcpy: Some(dqg / memcpy_gbps),
         });
     }
+    drop(xs);
+    let mut attention = Vec::new();
+    for &len in &cfg.seq_lens {
+        attention.extend(attention_rows(cfg, &fmts, len, device, progress)?);
+    }
     Ok(Report {
         config: cfg.clone(),
         device: device_name(device),
@@ -344,5 +391,129 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
         memcpy_ms,
         memcpy_gbps,
         rows,
+        attention,
     })
+}
+
+/// Seeded N(0,1) values, generated in parallel chunks (each chunk its own seeded generator, so
+/// the data does not depend on the thread count).
+fn randn_par(n: usize, seed: u64) -> Vec<f32> {
+    const CH: usize = 1 << 16;
+    let mut v = vec![0f32; n];
+    v.par_chunks_mut(CH).enumerate().for_each(|(i, c)| {
+        let mut rng = StdRng::seed_from_u64(
+            seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).rotate_left(32),
+        );
+        for x in c {
+            *x = rng.sample(StandardNormal);
+        }
+    });
+    v
+}
+
+/// Decode-step attention at context `len`: dense baseline, then each format, same data.
+fn attention_rows(
+    cfg: &BenchConfig,
+    fmts: &[QuantFormat],
+    len: usize,
+    device: &Device,
+    progress: &dyn Progress,
+) -> Result<Vec<AttnRow>> {
+    let (kvh, d, bs, batch) = (cfg.heads, cfg.head_dim, cfg.block_size, cfg.batch);
+    let heads = kvh * cfg.gqa;
+    let per_seq = len.div_ceil(bs);
+    let num_blocks = batch * per_seq;
+    let (slots, width) = (num_blocks * bs, kvh * d);
+    // Blocks in shuffled order, as a long-running pool hands them out.
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    ids.shuffle(&mut StdRng::seed_from_u64(cfg.seed ^ 0xB10C));
+    let tables = Tensor::from_vec(ids, (batch, per_seq), device)?;
+    let starts = Tensor::zeros(batch, DType::U32, device)?;
+    let lens = Tensor::from_vec(vec![len as u32; batch], batch, device)?;
+    let salt = (len as u64) << 20;
+    let k = Tensor::from_vec(
+        randn_par(slots * width, cfg.seed ^ salt ^ 1),
+        (slots, width),
+        &Device::Cpu,
+    )?;
+    let v = Tensor::from_vec(
+        randn_par(slots * width, cfg.seed ^ salt ^ 2),
+        (slots, width),
+        &Device::Cpu,
+    )?;
+    let q = Tensor::from_vec(
+        randn_par(batch * heads * d, cfg.seed ^ salt ^ 3),
+        (batch, heads, d),
+        &Device::Cpu,
+    )?
+    .to_dtype(cfg.dtype)?
+    .to_device(device)?;
+    progress.step(&format!("attention data, {len} tokens"));
+    let scale = 1.0 / (d as f32).sqrt();
+    let kv_tokens = (batch * len) as u64;
+    let mut modes: Vec<(String, Option<u32>, KvFormat)> = vec![(
+        format!("{} (dense)", cfg.dtype.as_str()),
+        None,
+        KvFormat::Dense(cfg.dtype),
+    )];
+    for f in fmts {
+        modes.push((
+            format!("{}-bit", f.bits()),
+            Some(f.bits()),
+            KvFormat::Affine {
+                fmt: *f,
+                scale_dtype: cfg.dtype,
+            },
+        ));
+    }
+    let mut rows = Vec::new();
+    let mut dense: Option<(Tensor, f64)> = None;
+    for (mode, bits, format) in modes {
+        let pool = LayerKv::zeros(format, slots, width, device)?;
+        // Write in slices so the device never holds a second full f32 copy.
+        let step = (1 << 24) / width.max(1);
+        let mut first = 0;
+        while first < slots {
+            let n = step.min(slots - first);
+            pool.write_run(
+                first,
+                &k.narrow(0, first, n)?.to_device(device)?,
+                &v.narrow(0, first, n)?.to_device(device)?,
+            )?;
+            first += n;
+        }
+        let mut out = None;
+        let ms = time_ms(
+            cfg,
+            device,
+            progress,
+            &format!("attention {mode}, {len} tokens"),
+            || {
+                out = Some(decode_attention(
+                    &q, &pool, &tables, &starts, &lens, bs, kvh, scale,
+                )?);
+                Ok(())
+            },
+        )?;
+        let out = out.context("no attention run")?.to_dtype(DType::F32)?;
+        let (err, base_ms) = match &dense {
+            None => (0.0, ms),
+            Some((o, m)) => ((&out - o)?.abs()?.max_all()?.to_scalar::<f32>()? as f64, *m),
+        };
+        let kv_bytes = kv_tokens * 2 * format.row_bytes(width) as u64;
+        rows.push(AttnRow {
+            seq_len: len,
+            mode,
+            bits,
+            ms,
+            speedup_vs_dense: base_ms / ms,
+            max_abs_error: err,
+            kv_bytes,
+            kv_gbps: kv_bytes as f64 / (ms * 1e-3) / 1e9,
+        });
+        if dense.is_none() {
+            dense = Some((out, ms));
+        }
+    }
+    Ok(rows)
 }

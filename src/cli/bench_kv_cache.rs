@@ -23,9 +23,19 @@ pub struct BenchKvCacheArgs {
     /// Transformer layers (each has one K and one V tensor).
     #[arg(long, default_value_t = 32)]
     pub layers: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 512)]
-    pub seq_len: usize,
+    /// Tokens per sequence: one length, or a comma-separated list (e.g. 1024,4096,16384). The
+    /// memory/quantize table uses the first; the decode-attention table measures every one.
+    #[arg(long, default_value = "512", value_name = "LIST")]
+    pub seq_len: String,
+    /// Query heads per KV head (grouped-query attention) in the attention measurement.
+    #[arg(long, default_value_t = 4)]
+    pub gqa: usize,
+    /// Tokens per cache block in the attention measurement (blocks are handed out shuffled).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Skip the decode-attention measurement.
+    #[arg(long)]
+    pub no_attention: bool,
     /// KV heads.
     #[arg(long, default_value_t = 32)]
     pub heads: usize,
@@ -63,6 +73,20 @@ pub struct BenchKvCacheArgs {
     pub csv: bool,
 }
 
+/// Parses `1024,4096` into context lengths; rejects empty or non-numeric entries.
+fn parse_seq_lens(s: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .map(|part| {
+            let part = part.trim();
+            part.parse::<usize>().map_err(|_| {
+                anyhow::anyhow!(
+                    "--seq-len '{s}': '{part}' is not a token count (give e.g. 1024,4096)"
+                )
+            })
+        })
+        .collect()
+}
+
 /// Parses `8,4` into bit widths; rejects empty entries.
 fn parse_bits(s: &str) -> Result<Vec<u32>> {
     let mut out = Vec::new();
@@ -94,9 +118,17 @@ impl Progress for Bar {
 }
 
 pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
+    let seq_lens = parse_seq_lens(&args.seq_len)?;
     let cfg = BenchConfig {
         layers: args.layers,
-        seq_len: args.seq_len,
+        seq_len: seq_lens[0],
+        seq_lens: if args.no_attention {
+            Vec::new()
+        } else {
+            seq_lens
+        },
+        gqa: args.gqa,
+        block_size: args.block_size,
         heads: args.heads,
         head_dim: args.head_dim,
         batch: args.batch,
@@ -125,6 +157,11 @@ pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
         println!("{}", header(&report));
         println!("{}", table(&report));
         println!("{GBPS_NOTE}.");
+        if !report.attention.is_empty() {
+            println!();
+            println!("{}", attn_header(&report));
+            println!("{}", attn_table(&report));
+        }
     }
     Ok(())
 }
@@ -144,7 +181,7 @@ fn json(r: &Report) -> Result<serde_json::Value> {
     if let (Some(c), serde_json::Value::Object(e)) = (config.as_object_mut(), extra) {
         c.extend(e);
     }
-    Ok(serde_json::json!({ "config": config, "rows": r.rows }))
+    Ok(serde_json::json!({ "config": config, "rows": r.rows, "attention": r.attention }))
 }
 
 fn mib(bytes: u64) -> String {
@@ -216,6 +253,60 @@ fn table(r: &Report) -> Table {
     t
 }
 
+fn attn_header(r: &Report) -> String {
+    let c = &r.config;
+    format!(
+        "Decode attention, one layer, one step: batch {} x {} query heads ({} KV heads, GQA {}) x head_dim {}, \
+         blocks of {} tokens in shuffled order; cache {} (scales/biases {}), group {}; device {} ({} threads); \
+         medians of {} runs after {} warm-up; error = max |out - dense out|; GB/s = K+V bytes of the context / time",
+        c.batch,
+        c.heads * c.gqa,
+        c.heads,
+        c.gqa,
+        c.head_dim,
+        c.block_size,
+        c.dtype.as_str(),
+        c.dtype.as_str(),
+        c.group_size,
+        r.device,
+        r.threads,
+        c.repeats,
+        c.warmup
+    )
+}
+
+fn attn_table(r: &Report) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header([
+        "Context",
+        "Mode",
+        "Time",
+        "Speedup vs dense",
+        "Max Err",
+        "K+V read",
+        "GB/s",
+    ]);
+    for a in &r.attention {
+        t.add_row([
+            a.seq_len.to_string(),
+            a.mode.clone(),
+            format!("{:.3} ms", a.ms),
+            format!("{:.2}x", a.speedup_vs_dense),
+            format!("{:.5}", a.max_abs_error),
+            mib(a.kv_bytes),
+            format!("{:.1}", a.kv_gbps),
+        ]);
+    }
+    for i in [0, 2, 3, 4, 5, 6] {
+        if let Some(col) = t.column_mut(i) {
+            col.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t
+}
+
+/// The table's rows, then (if measured) a blank line and the attention rows with their own header.
 fn csv(r: &Report) -> String {
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
     let mut out = String::from(
@@ -239,6 +330,22 @@ fn csv(r: &Report) -> String {
             opt(row.dequantize_gbps),
             r.memcpy_gbps
         ));
+    }
+    if !r.attention.is_empty() {
+        out.push_str("\nseq_len,mode,bits,ms,speedup_vs_dense,max_abs_error,kv_bytes,kv_gbps\n");
+        for a in &r.attention {
+            out.push_str(&format!(
+                "{},{},{},{},{},{},{},{}\n",
+                a.seq_len,
+                a.mode,
+                a.bits.map_or(String::new(), |b| b.to_string()),
+                a.ms,
+                a.speedup_vs_dense,
+                a.max_abs_error,
+                a.kv_bytes,
+                a.kv_gbps
+            ));
+        }
     }
     out
 }

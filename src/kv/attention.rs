@@ -8,6 +8,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::cache::{PagedKvCache, SeqId};
+use super::decode::decode_attention;
 
 /// One sequence's share of a forward pass: `n` new tokens at positions `start..start + n`,
 /// rows `offset..offset + n` of the flattened batch.
@@ -23,24 +24,103 @@ pub struct SeqSlice {
     pub slots: Tensor,
 }
 
+/// Sequences with one new token that share a pool: they go through the fused decode kernel
+/// together. Built once per forward pass (block tables are the same in every layer).
+pub struct DecodeGroup {
+    main: bool,
+    /// Indices into the batch, in batch order.
+    members: Vec<usize>,
+    /// Row of each member in the flattened batch (u32 `[B]`).
+    rows: Tensor,
+    tables: Tensor,
+    starts: Tensor,
+    lens: Tensor,
+}
+
+/// Groups the batch's decode tokens (n = 1) by pool for [`paged_attention`].
+pub fn plan_decode(cache: &PagedKvCache, batch: &[SeqSlice]) -> Result<Vec<DecodeGroup>> {
+    let err = |e: super::cache::CacheError| candle_core::Error::Msg(e.to_string());
+    let dev = cache.device();
+    let mut groups = Vec::new();
+    for main in [true, false] {
+        let mut members = Vec::new();
+        let mut tables = Vec::new();
+        for (i, s) in batch.iter().enumerate() {
+            if s.n == 1 && cache.in_main_pool(s.seq).map_err(err)? == main {
+                members.push(i);
+                tables.push(cache.block_table(s.seq).map_err(err)?);
+            }
+        }
+        if members.is_empty() {
+            continue;
+        }
+        let width = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let flat: Vec<u32> = tables
+            .iter()
+            .flat_map(|t| t.iter().copied().chain(std::iter::repeat(0)).take(width))
+            .collect();
+        let b = members.len();
+        let col = |f: &dyn Fn(&SeqSlice) -> usize| -> Result<Tensor> {
+            let v: Vec<u32> = members.iter().map(|&i| f(&batch[i]) as u32).collect();
+            Tensor::from_vec(v, b, dev)
+        };
+        groups.push(DecodeGroup {
+            main,
+            rows: col(&|s| s.offset)?,
+            starts: col(&|s| s.kstart)?,
+            lens: col(&|s| s.start + 1)?,
+            tables: Tensor::from_vec(flat, (b, width), dev)?,
+            members,
+        });
+    }
+    Ok(groups)
+}
+
 /// `q`: `[T, heads, head_dim]` for all new tokens of the batch (after RoPE); the new K/V are
-/// already written to the cache. Returns `[T, heads, head_dim]`.
+/// already written to the cache. Decode tokens use the fused kernel (planned by
+/// [`plan_decode`]); prompt chunks gather their keys and values. Returns `[T, heads, head_dim]`.
 pub fn paged_attention(
     q: &Tensor,
     cache: &PagedKvCache,
     layer: usize,
     batch: &[SeqSlice],
+    decode: &[DecodeGroup],
     scale: f64,
 ) -> Result<Tensor> {
-    let window = cache.config().window;
-    let mut outs = Vec::with_capacity(batch.len());
-    for s in batch {
+    let cfg = cache.config();
+    let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
+    for g in decode {
+        let qg = q.index_select(&g.rows, 0)?;
+        let o = decode_attention(
+            &qg,
+            cache.layer_storage(layer, g.main),
+            &g.tables,
+            &g.starts,
+            &g.lens,
+            cfg.block_size,
+            cfg.num_kv_heads,
+            scale as f32,
+        )?;
+        if g.members.len() == batch.len() {
+            return Ok(o); // every sequence decodes, in batch order
+        }
+        for (j, &i) in g.members.iter().enumerate() {
+            outs[i] = Some(o.narrow(0, j, 1)?);
+        }
+    }
+    for (i, s) in batch.iter().enumerate() {
+        if outs[i].is_some() {
+            continue;
+        }
         let (k, v) = cache
             .gather(layer, s.seq, &s.slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
-        outs.push(attend_one(&qs, &k, &v, s.start, s.kstart, window, scale)?);
+        outs[i] = Some(attend_one(
+            &qs, &k, &v, s.start, s.kstart, cfg.window, scale,
+        )?);
     }
+    let outs: Vec<Tensor> = outs.into_iter().flatten().collect();
     Tensor::cat(&outs, 0)
 }
 

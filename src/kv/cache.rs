@@ -445,6 +445,28 @@ impl PagedKvCache {
         Ok((k.reshape(shape)?, v.reshape(shape)?))
     }
 
+    /// Whether `id` lives in the main pool (else in dense staging).
+    pub fn in_main_pool(&self, id: SeqId) -> Result<bool> {
+        Ok(self.seq(id)?.pool == Pool::Main)
+    }
+
+    /// Block ids of `id` in position order; blocks freed by the window read as 0 (never
+    /// visited: they lie before the first visible position).
+    pub fn block_table(&self, id: SeqId) -> Result<Vec<u32>> {
+        Ok(self
+            .seq(id)?
+            .blocks
+            .iter()
+            .map(|b| b.unwrap_or(0))
+            .collect())
+    }
+
+    /// One layer's storage in the main pool (`main`) or the staging pool.
+    pub fn layer_storage(&self, layer: usize, main: bool) -> &LayerKv {
+        let pool = if main { Pool::Main } else { Pool::Staging };
+        &self.pool(pool).layers[layer]
+    }
+
     /// Bytes held by the blocks sequences own now, both pools (partial tails included).
     pub fn bytes_in_use(&self) -> usize {
         let main = (self.main.total - self.main.free.len()) * self.cfg.bytes_per_block();

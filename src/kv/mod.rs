@@ -3,5 +3,6 @@
 
 pub mod attention;
 pub mod cache;
+pub mod decode;
 pub mod layer;
 pub mod quant;

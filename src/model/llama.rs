@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
 use super::weights::{Linear, Name, Weights};
-use crate::kv::attention::{paged_attention, SeqSlice};
+use crate::kv::attention::{paged_attention, plan_decode, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 
 struct Block {
@@ -164,6 +164,7 @@ impl Llama {
         let scale = 1.0 / (hd as f64).sqrt();
         let eps = cfg.rms_norm_eps as f32;
 
+        let decode = plan_decode(cache, &batch)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [T, hidden]
         for (l, b) in self.blocks.iter().enumerate() {
             let residual = &x;
@@ -193,7 +194,8 @@ impl Llama {
                     &v.narrow(0, s.offset, s.n)?,
                 )?;
             }
-            let attn = paged_attention(&q, cache, l, &batch, scale)?.reshape((t, nh * hd))?;
+            let attn =
+                paged_attention(&q, cache, l, &batch, &decode, scale)?.reshape((t, nh * hd))?;
             let x1 = (b.o.forward(&attn)? + residual)?;
             let hs = candle_nn::ops::rms_norm(&x1, &b.ffn_norm, eps)?;
             let mlp = (candle_nn::ops::silu(&b.gate.forward(&hs)?)? * b.up.forward(&hs)?)?;

@@ -11,10 +11,12 @@ use half::{bf16, f16};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/quant.ptx"));
 const MODULE: &str = "kvq_quant";
 const THREADS: u32 = 256;
+/// Chunks of 8 values per quantize thread (`KVQ_Q_UNROLL` in kernels/quant.cu).
+const QUANT_UNROLL: usize = 4;
 
-fn launch_cfg(nchunks: usize) -> LaunchConfig {
+fn launch_cfg(nchunks: usize, per_thread: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (nchunks.div_ceil(THREADS as usize) as u32, 1, 1),
+        grid_dim: (nchunks.div_ceil(THREADS as usize * per_thread) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -61,13 +63,16 @@ fn as_cuda(s: &Storage) -> Result<&CudaStorage> {
     }
 }
 
+/// The device and the freshly written codes, scales and biases of one quantize launch.
+type Outputs<T> = (CudaDevice, CudaSlice<u32>, CudaSlice<T>, CudaSlice<T>);
+
 pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
     let x = aligned(x)?;
     fn run<T: CudaDType + DeviceRepr>(
         x: &Tensor,
         fmt: QuantFormat,
         d: usize,
-    ) -> Result<(CudaDevice, CudaSlice<u32>, CudaSlice<T>, CudaSlice<T>)> {
+    ) -> Result<Outputs<T>> {
         let (st, o1, o2) = cuda_parts(x)?;
         let cs = as_cuda(&st)?;
         let dev = cs.device.clone();
@@ -87,7 +92,7 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
             .arg(&biases)
             .arg(&nchunks)
             .arg(&group);
-        unsafe { b.launch(launch_cfg(n / 8)) }.w()?;
+        unsafe { b.launch(launch_cfg(n / 8, QUANT_UNROLL)) }.w()?;
         drop(st);
         Ok((dev, codes, scales, biases))
     }
@@ -157,7 +162,7 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
             .arg(&out)
             .arg(&nchunks)
             .arg(&group);
-        unsafe { b.launch(launch_cfg(n / 8)) }.w()?;
+        unsafe { b.launch(launch_cfg(n / 8, 1)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let storage = match scales.dtype() {

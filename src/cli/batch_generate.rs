@@ -1,0 +1,523 @@
+//! `kvq batch-generate`: many prompts from a file through the continuous-batching engine, one
+//! JSON line per request as it finishes, resumable, stoppable with Ctrl-C.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Value};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use crate::engine::batch::{Batch, BatchOutcome, BatchRequest};
+use crate::engine::batch_io::{
+    id_key, parse_bytes, parse_input, read_resume, InputFormat, InputRecord, InvalidLine,
+    PromptSpec, Sink,
+};
+use crate::engine::request::Request;
+use crate::engine::scheduler::{Engine, EngineConfig};
+use crate::engine::stats::{fmt_bytes, peak_rss_bytes};
+use crate::model::chat::Message;
+use crate::model::load::{load, LoadedModel};
+
+#[derive(Args, Debug, Clone)]
+pub struct BatchGenerateArgs {
+    /// Prompt file: one prompt per line, or JSONL objects with "id", "prompt" or "messages", and
+    /// optional "raw", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop" (these
+    /// override the flags for that request). `-` reads standard input.
+    #[arg(value_name = "INPUT")]
+    pub input: String,
+
+    /// Output JSONL file (default: standard output). One line per request as it finishes: id,
+    /// text, tokens, finish_reason, prompt_tokens, generated_tokens, ttft_ms, total_ms.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+
+    /// How to read INPUT: `auto` takes JSONL when the first non-blank line starts with `{`.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub input_format: InputFormat,
+
+    /// Continue a previous run: skip requests whose id already has a line in --output and append
+    /// the rest (lines of cancelled requests and a torn last line are dropped and redone).
+    #[arg(long)]
+    pub resume: bool,
+
+    /// Overwrite an existing --output file (without it, an existing non-empty file is refused).
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
+
+    /// Write an error record (`"finish_reason": "error"`) for a malformed or unrunnable line and go
+    /// on, instead of stopping with FILE:LINE before generating anything.
+    #[arg(long)]
+    pub skip_invalid: bool,
+
+    /// Most requests running at once (prefilling or decoding in the same forward passes).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub max_batch: usize,
+
+    /// Most prompt tokens per step, shared by the prefilling requests; decode tokens of running
+    /// requests ride along in the same step.
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub prefill_chunk: usize,
+
+    /// KV cache budget in bytes (e.g. 512M, 2G). Requests wait for room instead of failing.
+    /// Default: enough for --max-batch of the longest requests, at most half the available memory.
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub kv_memory: Option<usize>,
+
+    /// Send prompts as plain text: no chat template (a request's "raw" overrides it).
+    #[arg(long)]
+    pub raw: bool,
+
+    /// System message for prompts given as text (not for "messages" requests or --raw).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    #[command(flatten)]
+    pub device: DeviceArgs,
+
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+pub fn run(args: &BatchGenerateArgs) -> Result<()> {
+    check_flags(args)?;
+    let (input_name, input_text) = read_input(&args.input)?;
+    let parsed = parse_input(&input_text, args.input_format);
+    let mut invalid: Vec<InvalidLine> = Vec::new();
+    let mut records: Vec<InputRecord> = Vec::new();
+    for p in parsed {
+        match p {
+            Ok(r) => records.push(r),
+            Err(e) => invalid.push(e),
+        }
+    }
+    refuse_invalid(args, &input_name, &invalid)?;
+
+    let resume = prepare_output(args)?;
+    let total_input = records.len() + invalid.len();
+    let mut skipped = 0;
+    if let Some(done) = &resume {
+        let before = records.len() + invalid.len();
+        records.retain(|r| !done.contains(&id_key(&r.id)));
+        invalid.retain(|e| !done.contains(&id_key(&error_id(e))));
+        skipped = before - records.len() - invalid.len();
+    }
+    let mut sink = open_sink(args, resume.is_some())?;
+
+    let device = args.device.open()?;
+    let loaded = load(&args.model, &device)?;
+    let mut requests = Vec::new();
+    for r in records {
+        match build_request(args, &loaded, &r) {
+            Ok(b) => requests.push((r.line, b)),
+            Err(e) => invalid.push(InvalidLine {
+                line: r.line,
+                id: Some(r.id.clone()),
+                error: crate::cli::one_line(&e),
+            }),
+        }
+    }
+    refuse_invalid(args, &input_name, &invalid)?;
+
+    let model = &loaded.model;
+    let window = model.config().max_position_embeddings;
+    let longest = requests
+        .iter()
+        .map(|(_, b)| lifetime(&b.request, window))
+        .max()
+        .unwrap_or(1);
+    let probe = args.kv.build_cache(model, 0, 1)?;
+    let block_size = probe.config().block_size;
+    let block_bytes = probe.config().bytes_per_block();
+    drop(probe);
+    let blocks = budget_blocks(args, longest, block_size, block_bytes);
+    // max_batch 0: the budget already is whole blocks, no per-sequence slack on top.
+    let cache = args.kv.build_cache(model, blocks * block_size, 0)?;
+    let kv_budget = blocks * block_bytes;
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: args.max_batch,
+            prefill_chunk: args.prefill_chunk,
+        },
+    )?;
+
+    let mut batch = Batch::new(&mut engine, &loaded.tokenizer);
+    for (line, b) in requests {
+        let id = b.id.clone();
+        if let Err(e) = batch.add(b) {
+            invalid.push(InvalidLine {
+                line,
+                id: Some(id),
+                error: crate::cli::one_line(&e),
+            });
+        }
+    }
+    refuse_invalid(args, &input_name, &invalid)?;
+    invalid.sort_by_key(|e| e.line);
+    for e in &invalid {
+        sink.write(&error_record(e)).context("writing the output")?;
+    }
+
+    let cancel = Arc::new(AtomicBool::new(false));
+    install_ctrl_c(cancel.clone())?;
+    let to_run = batch.pending();
+    let bar = progress_bar(args, to_run);
+    let t0 = Instant::now();
+    let outcome = batch.run(
+        &cancel,
+        |r| {
+            sink.write(&r.to_json()).context("writing the output")?;
+            bar.inc(1);
+            Ok(())
+        },
+        |engine, _| {
+            let secs = t0.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!(
+                "{:.1} tok/s | running {} waiting {}",
+                engine.stats().generated_tokens as f64 / secs,
+                engine.num_running(),
+                engine.num_waiting()
+            ));
+        },
+    );
+    bar.finish_and_clear();
+    let outcome = outcome?;
+    let counts = Counts {
+        input: total_input,
+        skipped,
+        invalid: invalid.len(),
+    };
+    print_summary(&engine, &outcome, &counts, kv_budget);
+    if cancel.load(Ordering::SeqCst) {
+        eprintln!(
+            "interrupted: {} finished, {} cancelled, {} not started; run again with --resume to complete",
+            outcome.finished, outcome.cancelled, outcome.not_started
+        );
+        std::process::exit(130);
+    }
+    Ok(())
+}
+
+fn check_flags(args: &BatchGenerateArgs) -> Result<()> {
+    args.kv.validate()?;
+    args.sampling.params().validate()?;
+    if args.sampling.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if args.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    if args.raw && args.system.is_some() {
+        bail!("--raw uses no chat template, so it cannot take --system");
+    }
+    if args.resume && args.output.is_none() {
+        bail!("--resume needs --output FILE (it reads the ids already written there)");
+    }
+    Ok(())
+}
+
+fn read_input(spec: &str) -> Result<(String, String)> {
+    if spec == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading prompts from standard input")?;
+        return Ok(("<stdin>".into(), s));
+    }
+    let text = std::fs::read_to_string(spec).with_context(|| format!("cannot read {spec}"))?;
+    Ok((spec.to_string(), text))
+}
+
+/// Without --skip-invalid the first bad line stops the run before anything is generated.
+fn refuse_invalid(args: &BatchGenerateArgs, name: &str, invalid: &[InvalidLine]) -> Result<()> {
+    if args.skip_invalid {
+        return Ok(());
+    }
+    if let Some(e) = invalid.iter().min_by_key(|e| e.line) {
+        let more = match invalid.len() {
+            1 => String::new(),
+            n => format!(
+                " ({} more invalid lines; --skip-invalid writes error records instead)",
+                n - 1
+            ),
+        };
+        bail!("{name}:{}: {}{more}", e.line, e.error);
+    }
+    Ok(())
+}
+
+/// The id under which a bad line is recorded: its own if it has one, else its line number.
+fn error_id(e: &InvalidLine) -> Value {
+    e.id.clone().unwrap_or_else(|| Value::from(e.line))
+}
+
+fn error_record(e: &InvalidLine) -> Value {
+    json!({
+        "id": error_id(e),
+        "line": e.line,
+        "finish_reason": "error",
+        "error": e.error,
+    })
+}
+
+/// Checks the output file; with --resume returns the ids already done (rewriting the file
+/// without cancelled records or a torn last line first).
+fn prepare_output(args: &BatchGenerateArgs) -> Result<Option<std::collections::HashSet<String>>> {
+    let Some(path) = &args.output else {
+        return Ok(None);
+    };
+    let existing = match std::fs::read(path) {
+        Ok(b) => Some(String::from_utf8_lossy(&b).into_owned()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    if !args.resume {
+        if existing.as_ref().is_some_and(|t| !t.is_empty()) && !args.force {
+            bail!(
+                "{} already exists: --resume continues it, --force overwrites it",
+                path.display()
+            );
+        }
+        return Ok(None);
+    }
+    let Some(text) = existing else {
+        return Ok(Some(Default::default()));
+    };
+    let st = read_resume(&text);
+    if st.dropped > 0 {
+        rewrite(path, &st.keep)?;
+    }
+    Ok(Some(st.done))
+}
+
+/// Replaces `path` by `lines` atomically (temp file + rename), so a kill leaves old or new.
+fn rewrite(path: &Path, lines: &[String]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".resume-tmp");
+    let tmp = PathBuf::from(tmp);
+    let mut body = lines.join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    std::fs::write(&tmp, body).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
+    Ok(())
+}
+
+fn open_sink(args: &BatchGenerateArgs, append: bool) -> Result<Sink> {
+    let Some(path) = &args.output else {
+        return Ok(Sink::new(Box::new(std::io::stdout())));
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .open(path)
+        .with_context(|| format!("cannot open {} for writing", path.display()))?;
+    Ok(Sink::new(Box::new(file)))
+}
+
+/// Tokens a request may hold in the cache (as the engine counts them).
+fn lifetime(r: &Request, window: usize) -> usize {
+    (r.prompt.len() + r.max_tokens.saturating_sub(1)).min(window)
+}
+
+/// KV blocks to allocate: the --kv-memory budget, or by default room for --max-batch of the
+/// longest request (each with a partial block), capped at half the available memory but never
+/// below one longest request.
+fn budget_blocks(
+    args: &BatchGenerateArgs,
+    longest: usize,
+    block_size: usize,
+    block_bytes: usize,
+) -> usize {
+    if let Some(bytes) = args.kv_memory {
+        return (bytes / block_bytes.max(1)).max(1);
+    }
+    let one = longest.div_ceil(block_size) + 1;
+    let want = one * args.max_batch;
+    let cap = available_memory().map(|b| b as usize / 2 / block_bytes.max(1));
+    match cap {
+        Some(c) => want.min(c).max(one),
+        None => want,
+    }
+}
+
+/// Memory the OS could give us now (Linux MemAvailable).
+fn available_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Tokenizes one request and merges its overrides into the command-line defaults.
+fn build_request(
+    args: &BatchGenerateArgs,
+    m: &LoadedModel,
+    r: &InputRecord,
+) -> Result<BatchRequest> {
+    let raw = r.raw.unwrap_or(args.raw);
+    let prompt = match &r.prompt {
+        PromptSpec::Text(t) if raw => m.tokenizer.encode(t, true)?,
+        PromptSpec::Text(t) => {
+            let mut msgs = Vec::new();
+            if let Some(s) = &args.system {
+                msgs.push(Message::new("system", s.clone()));
+            }
+            msgs.push(Message::new("user", t.clone()));
+            render(m, &msgs)?
+        }
+        PromptSpec::Messages(_) if raw => {
+            bail!("\"raw\" uses no chat template, so it cannot take \"messages\"")
+        }
+        PromptSpec::Messages(msgs) => render(m, msgs)?,
+    };
+    let mut params = args.sampling.params();
+    if let Some(t) = r.temperature {
+        params.temperature = t;
+    }
+    if let Some(p) = r.top_p {
+        params.top_p = (p < 1.0).then_some(p);
+    }
+    if let Some(k) = r.top_k {
+        params.top_k = (k > 0).then_some(k);
+    }
+    if let Some(s) = r.seed {
+        params.seed = s;
+    }
+    params.validate()?;
+    let max_tokens = r.max_tokens.unwrap_or(args.sampling.max_tokens);
+    if max_tokens == 0 {
+        bail!("\"max_tokens\" must be at least 1");
+    }
+    Ok(BatchRequest {
+        id: r.id.clone(),
+        request: Request {
+            prompt,
+            params,
+            max_tokens,
+            eos: m.tokenizer.eos_token_ids().to_vec(),
+        },
+        stop: r.stop.clone().unwrap_or_else(|| args.sampling.stop.clone()),
+    })
+}
+
+fn render(m: &LoadedModel, msgs: &[Message]) -> Result<Vec<u32>> {
+    let template = m.chat_template.as_ref().with_context(|| {
+        format!(
+            "{} has no chat template: use --raw (or \"raw\": true) for plain-text prompts",
+            m.description
+        )
+    })?;
+    let text = template.render(msgs, true)?;
+    m.tokenizer.encode(&text, false)
+}
+
+/// First Ctrl-C: stop admitting and end the running requests; second: leave at once.
+fn install_ctrl_c(flag: Arc<AtomicBool>) -> Result<()> {
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            eprintln!("\ninterrupted again: exiting now");
+            std::process::exit(130);
+        }
+        eprintln!(
+            "\nCtrl-C: stopping; finished results are written, running ones marked cancelled"
+        );
+    })
+    .context("cannot install the Ctrl-C handler")
+}
+
+fn progress_bar(args: &BatchGenerateArgs, total: usize) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(
+        Some(total as u64),
+        if args.no_progress {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        },
+    );
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} requests | {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+struct Counts {
+    input: usize,
+    skipped: usize,
+    invalid: usize,
+}
+
+fn print_summary(engine: &Engine, o: &BatchOutcome, c: &Counts, kv_budget: usize) {
+    let s = engine.stats();
+    let wall = o.wall_seconds.max(1e-9);
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(vec!["batch-generate", "value"]);
+    let mut requests = format!("{} finished", o.finished);
+    if o.cancelled + o.not_started > 0 {
+        requests += &format!(", {} cancelled, {} not started", o.cancelled, o.not_started);
+    }
+    if c.invalid > 0 {
+        requests += &format!(", {} invalid", c.invalid);
+    }
+    if c.skipped > 0 {
+        requests += &format!(", {} already done (--resume)", c.skipped);
+    }
+    requests += &format!(" of {}", c.input);
+    let rows: Vec<(&str, String)> = vec![
+        ("requests", requests),
+        ("prompt tokens", s.prompt_tokens.to_string()),
+        ("prefill tok/s", format!("{:.1}", s.prompt_tps())),
+        ("generated tokens", s.generated_tokens.to_string()),
+        ("decode tok/s", format!("{:.1}", s.decode_tps())),
+        (
+            "total tok/s (prompt + generated)",
+            format!(
+                "{:.1}",
+                (s.prompt_tokens + s.generated_tokens) as f64 / wall
+            ),
+        ),
+        (
+            "generated tok/s (wall)",
+            format!("{:.1}", s.generated_tokens as f64 / wall),
+        ),
+        ("wall time", format!("{:.2} s", o.wall_seconds)),
+        ("KV bytes (peak)", fmt_bytes(engine.cache().peak_bytes())),
+        ("KV budget", fmt_bytes(kv_budget)),
+        (
+            "peak memory (RSS)",
+            peak_rss_bytes()
+                .map(|b| fmt_bytes(b as usize))
+                .unwrap_or_else(|| "n/a".into()),
+        ),
+    ];
+    for (k, v) in rows {
+        t.add_row(vec![k.to_string(), v]);
+    }
+    eprintln!("{t}");
+}

@@ -1,0 +1,371 @@
+//! Batch files: prompt lines in, one JSON result line per request out.
+//!
+//! Input is either plain text (one prompt per non-blank line) or JSONL (one object per line with
+//! `id`, `prompt` or `messages`, and optional per-request overrides). Every parsed line keeps its
+//! line number so a bad one can be reported as `file:line`. Output lines are written whole and
+//! flushed one by one, so a killed job leaves only complete lines behind; `--resume` reads them
+//! back to know which ids are done.
+
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::HashSet;
+use std::io::Write;
+
+use crate::model::chat::Message;
+
+/// How to read the input file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InputFormat {
+    /// JSONL if the first non-blank line starts with `{`, else text.
+    Auto,
+    /// One prompt per line (blank lines skipped).
+    Text,
+    /// One JSON object per line (blank lines skipped).
+    Jsonl,
+}
+
+/// What to run for one request, before tokenization.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptSpec {
+    Text(String),
+    Messages(Vec<Message>),
+}
+
+/// One valid input line. `None` fields fall back to the command-line defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InputRecord {
+    /// 1-based line number in the input.
+    pub line: usize,
+    /// The id as given (string or integer), or the line number for text input / missing ids.
+    pub id: Value,
+    pub prompt: PromptSpec,
+    pub raw: Option<bool>,
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<usize>,
+    pub seed: Option<u64>,
+    pub stop: Option<Vec<String>>,
+}
+
+/// A line that could not be used, with what is known about it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InvalidLine {
+    pub line: usize,
+    pub id: Option<Value>,
+    pub error: String,
+}
+
+/// The key that identifies a request across runs (`--resume`): ids compare by their JSON text,
+/// so `"7"` and `7` are different ids.
+pub fn id_key(id: &Value) -> String {
+    id.to_string()
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonLine {
+    id: Option<Value>,
+    prompt: Option<String>,
+    messages: Option<Vec<Message>>,
+    raw: Option<bool>,
+    max_tokens: Option<usize>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<usize>,
+    seed: Option<u64>,
+    stop: Option<StopField>,
+}
+
+/// Parses a whole input; each non-blank line gives a record or an error. Duplicate ids are
+/// errors on the later line (results are keyed by id).
+pub fn parse_input(text: &str, format: InputFormat) -> Vec<Result<InputRecord, InvalidLine>> {
+    let format = match format {
+        InputFormat::Auto => {
+            let first = text.lines().map(str::trim).find(|l| !l.is_empty());
+            if first.is_some_and(|l| l.starts_with('{')) {
+                InputFormat::Jsonl
+            } else {
+                InputFormat::Text
+            }
+        }
+        f => f,
+    };
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (i, raw_line) in text.lines().enumerate() {
+        let line = i + 1;
+        let trimmed = raw_line.trim_end_matches('\r');
+        if trimmed.trim().is_empty() {
+            continue;
+        }
+        let parsed = match format {
+            InputFormat::Jsonl => parse_json_line(trimmed, line),
+            _ => Ok(text_record(trimmed, line)),
+        };
+        let checked = parsed.and_then(|r| {
+            if seen.insert(id_key(&r.id)) {
+                Ok(r)
+            } else {
+                Err(InvalidLine {
+                    line,
+                    id: Some(r.id.clone()),
+                    error: format!("duplicate id {}", r.id),
+                })
+            }
+        });
+        out.push(checked);
+    }
+    out
+}
+
+fn text_record(prompt: &str, line: usize) -> InputRecord {
+    InputRecord {
+        line,
+        id: Value::from(line),
+        prompt: PromptSpec::Text(prompt.to_string()),
+        raw: None,
+        max_tokens: None,
+        temperature: None,
+        top_p: None,
+        top_k: None,
+        seed: None,
+        stop: None,
+    }
+}
+
+fn parse_json_line(text: &str, line: usize) -> Result<InputRecord, InvalidLine> {
+    let value: Value = serde_json::from_str(text).map_err(|e| InvalidLine {
+        line,
+        id: None,
+        error: format!("not valid JSON: {e}"),
+    })?;
+    let id = value.get("id").cloned();
+    let fail = |error: String| InvalidLine {
+        line,
+        id: id
+            .clone()
+            .filter(|v| v.is_string() || v.is_u64() || v.is_i64()),
+        error,
+    };
+    if !value.is_object() {
+        return Err(fail("expected a JSON object".into()));
+    }
+    let j: JsonLine = serde_json::from_value(value).map_err(|e| fail(e.to_string()))?;
+    let id = match j.id {
+        None => Value::from(line),
+        Some(v) if v.is_string() || v.is_u64() || v.is_i64() => v,
+        Some(v) => {
+            return Err(fail(format!(
+                "\"id\" must be a string or an integer, not {v}"
+            )))
+        }
+    };
+    let prompt = match (j.prompt, j.messages) {
+        (Some(_), Some(_)) => {
+            return Err(fail(
+                "give either \"prompt\" or \"messages\", not both".into(),
+            ))
+        }
+        (None, None) => return Err(fail("missing \"prompt\" (or \"messages\")".into())),
+        (Some(p), None) if p.trim().is_empty() => return Err(fail("\"prompt\" is empty".into())),
+        (Some(p), None) => PromptSpec::Text(p),
+        (None, Some(m)) if m.is_empty() => return Err(fail("\"messages\" is empty".into())),
+        (None, Some(m)) => {
+            if let Some(i) = m.iter().position(|m| m.role.trim().is_empty()) {
+                return Err(fail(format!("message {i} has an empty role")));
+            }
+            PromptSpec::Messages(m)
+        }
+    };
+    if j.raw == Some(true) && matches!(prompt, PromptSpec::Messages(_)) {
+        return Err(fail(
+            "\"raw\" uses no chat template, so it cannot take \"messages\"".into(),
+        ));
+    }
+    Ok(InputRecord {
+        line,
+        id,
+        prompt,
+        raw: j.raw,
+        max_tokens: j.max_tokens,
+        temperature: j.temperature,
+        top_p: j.top_p,
+        top_k: j.top_k,
+        seed: j.seed,
+        stop: j.stop.map(|s| match s {
+            StopField::One(s) => vec![s],
+            StopField::Many(v) => v,
+        }),
+    })
+}
+
+/// What is already in an output file, for `--resume`.
+#[derive(Debug, Default)]
+pub struct ResumeState {
+    /// Ids with a final record (a result or an error record).
+    pub done: HashSet<String>,
+    /// The lines to keep, in order: complete records other than `cancelled` ones (those requests
+    /// run again), without a torn last line.
+    pub keep: Vec<String>,
+    /// Whether the file held anything that is not kept (so it must be rewritten).
+    pub dropped: usize,
+}
+
+/// Reads a previous output.
+pub fn read_resume(text: &str) -> ResumeState {
+    let mut st = ResumeState::default();
+    for line in text.lines() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: Option<Value> = serde_json::from_str(line).ok();
+        let keep = v.as_ref().and_then(|v| {
+            let id = v.get("id")?;
+            let cancelled = v.get("finish_reason").and_then(Value::as_str) == Some("cancelled");
+            (!cancelled && !id.is_null()).then(|| id_key(id))
+        });
+        match keep {
+            Some(key) => {
+                st.done.insert(key);
+                st.keep.push(line.to_string());
+            }
+            None => st.dropped += 1,
+        }
+    }
+    if !text.is_empty() && !text.ends_with('\n') {
+        // A last line without its newline was cut by a kill; even if it parses, rewrite the file
+        // so the next record starts on a line of its own.
+        st.dropped += usize::from(st.dropped == 0);
+    }
+    st
+}
+
+/// Where result lines go: each one written whole and flushed at once.
+pub struct Sink {
+    out: Box<dyn Write + Send>,
+}
+
+impl Sink {
+    pub fn new(out: Box<dyn Write + Send>) -> Self {
+        Self { out }
+    }
+
+    pub fn write(&mut self, record: &Value) -> std::io::Result<()> {
+        let mut line = serde_json::to_string(record).map_err(std::io::Error::other)?;
+        line.push('\n');
+        self.out.write_all(line.as_bytes())?;
+        self.out.flush()
+    }
+}
+
+/// Parses a byte count: `1073741824`, `512M`, `2G`, `1.5GiB`, `300MB` (K, M, G, T are powers of
+/// 1024; a trailing `B` or `iB` is optional).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (examples: 512M, 2G, 1073741824)"))?;
+    let unit = unit.trim().to_ascii_uppercase();
+    let unit = unit
+        .strip_suffix("IB")
+        .or_else(|| unit.strip_suffix('B'))
+        .unwrap_or(&unit);
+    let mult: f64 = match unit {
+        "" => 1.0,
+        "K" => 1024.0,
+        "M" => 1024f64.powi(2),
+        "G" => 1024f64.powi(3),
+        "T" => 1024f64.powi(4),
+        u => {
+            return Err(format!(
+                "unknown size unit '{u}' in '{s}' (use K, M, G or T)"
+            ))
+        }
+    };
+    let bytes = n * mult;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > usize::MAX as f64 {
+        return Err(format!("'{s}' is not a usable size"));
+    }
+    Ok(bytes as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_lines_are_prompts_with_line_ids() {
+        let r = parse_input("hello\n\n  \nworld\r\n", InputFormat::Auto);
+        assert_eq!(r.len(), 2);
+        let b = r[1].as_ref().unwrap();
+        assert_eq!(b.line, 4);
+        assert_eq!(b.id, Value::from(4));
+        assert_eq!(b.prompt, PromptSpec::Text("world".into()));
+    }
+
+    #[test]
+    fn jsonl_fields_and_errors_keep_line_numbers() {
+        let input = concat!(
+            "{\"id\": \"a\", \"prompt\": \"hi\", \"max_tokens\": 3, \"stop\": \"x\", \"raw\": true}\n",
+            "{\"id\": \"b\", \"messages\": [{\"role\": \"user\", \"content\": \"yo\"}], \"stop\": [\"1\", \"2\"]}\n",
+            "{\"id\": \"c\", \"promt\": \"typo\"}\n",
+            "not json\n",
+            "{\"id\": \"a\", \"prompt\": \"again\"}\n",
+            "{\"id\": 5, \"prompt\": \"p\", \"max_tokens\": -1}\n",
+        );
+        let r = parse_input(input, InputFormat::Auto);
+        assert_eq!(r.len(), 6);
+        let a = r[0].as_ref().unwrap();
+        assert_eq!((a.max_tokens, a.raw), (Some(3), Some(true)));
+        assert_eq!(a.stop, Some(vec!["x".to_string()]));
+        let b = r[1].as_ref().unwrap();
+        assert!(matches!(&b.prompt, PromptSpec::Messages(m) if m.len() == 1));
+        assert_eq!(b.stop.as_ref().unwrap().len(), 2);
+        let c = r[2].as_ref().unwrap_err();
+        assert_eq!((c.line, c.id.clone()), (3, Some(Value::from("c"))));
+        assert!(c.error.contains("promt"), "{}", c.error);
+        assert_eq!(r[3].as_ref().unwrap_err().line, 4);
+        assert!(r[4].as_ref().unwrap_err().error.contains("duplicate"));
+        assert_eq!(r[5].as_ref().unwrap_err().id, Some(Value::from(5)));
+    }
+
+    #[test]
+    fn resume_keeps_complete_records_and_drops_cancelled_and_torn() {
+        let text = concat!(
+            "{\"id\":\"a\",\"finish_reason\":\"stop\"}\n",
+            "{\"id\":\"b\",\"finish_reason\":\"cancelled\"}\n",
+            "{\"id\":3,\"finish_reason\":\"error\"}\n",
+            "{\"id\":\"d\",\"fini",
+        );
+        let st = read_resume(text);
+        assert_eq!(st.keep.len(), 2);
+        assert!(st.done.contains("\"a\"") && st.done.contains("3"));
+        assert!(!st.done.contains("\"b\""));
+        assert_eq!(st.dropped, 2);
+        assert_eq!(read_resume("{\"id\":1}\n").dropped, 0);
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("1.5k").unwrap(), 1536);
+        assert_eq!(parse_bytes("3 MB").unwrap(), 3 << 20);
+        assert!(parse_bytes("12X").is_err());
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
+}

@@ -1,0 +1,293 @@
+//! Decode attention: one new query token per sequence over its paged, optionally quantized cache
+//! (DESIGN.md §6).
+//!
+//! The kernels read the pool's blocks in place through each sequence's block table; quantized
+//! blocks are never expanded to a dense copy. For one quantization group,
+//! `q·k̂ = scale·(q·codes) + bias·Σq`, and V is accumulated as `Σ p·scale·code + Σ p·bias`, so the
+//! only per-value work is unpacking a code and one multiply-add per query head. Grouped-query
+//! attention: the `G = H / kv_heads` query heads of a KV head are handled together, so each K/V
+//! row is read once for all of them. Softmax statistics are f32 and streamed: positions are split
+//! into chunks, each chunk yields (max, sum, weighted V), and chunks are merged — which also lets
+//! long contexts use every core (split-K).
+//!
+//! Three implementations, one contract:
+//! - `cpu`: fused kernel, rayon over (sequence, KV head, position chunk);
+//! - `cuda` (`--features cuda`): fused kernel of `kernels/decode.cu`, one thread block per
+//!   (sequence, KV head, position split), plus a merge kernel;
+//! - [`generic`]: gather → dequantize → dense attention with candle ops, for other backends and
+//!   as the test reference.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod generic;
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::layer::LayerKv;
+
+/// Why a decode-attention call is refused; each message names the offending input.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("decode_attention: {0}")]
+    Shape(String),
+    #[error("decode_attention: sequence {seq}: {msg}")]
+    Sequence { seq: usize, msg: String },
+}
+
+impl From<DecodeError> for candle_core::Error {
+    fn from(e: DecodeError) -> Self {
+        candle_core::Error::Msg(e.to_string())
+    }
+}
+
+/// Sizes of one call, checked against each other.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    /// Sequences.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    pub head_dim: usize,
+    pub kv_heads: usize,
+    /// Query heads per KV head.
+    pub group: usize,
+    /// Columns of the block table.
+    pub max_blocks: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+fn shape_err(msg: String) -> candle_core::Error {
+    DecodeError::Shape(msg).into()
+}
+
+/// Checks shapes and dtypes of all inputs (no data is read).
+fn check_shapes(
+    q: &Tensor,
+    kv: &LayerKv,
+    block_tables: &Tensor,
+    starts: &Tensor,
+    lens: &Tensor,
+    block_size: usize,
+    num_kv_heads: usize,
+) -> Result<Dims> {
+    if !matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(shape_err(format!(
+            "q must be f32, f16 or bf16, got {:?}",
+            q.dtype()
+        )));
+    }
+    let (batch, heads, head_dim) = q
+        .dims3()
+        .map_err(|_| shape_err(format!("q must be [B, H, D], got {:?}", q.dims())))?;
+    if block_size == 0 || num_kv_heads == 0 || head_dim == 0 {
+        return Err(shape_err(format!(
+            "block_size ({block_size}), num_kv_heads ({num_kv_heads}) and head_dim ({head_dim}) must be at least 1"
+        )));
+    }
+    if heads % num_kv_heads != 0 {
+        return Err(shape_err(format!(
+            "{heads} query heads are not a multiple of {num_kv_heads} KV heads"
+        )));
+    }
+    let width = num_kv_heads * head_dim;
+    let (rows, row_width) = match kv {
+        LayerKv::Dense { k, v } => {
+            if k.dims() != v.dims() || k.dtype() != v.dtype() || k.rank() != 2 {
+                return Err(shape_err(format!(
+                    "dense K {:?} {:?} and V {:?} {:?} must both be [slots, width] of one dtype",
+                    k.dims(),
+                    k.dtype(),
+                    v.dims(),
+                    v.dtype()
+                )));
+            }
+            if !matches!(k.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+                return Err(shape_err(format!(
+                    "dense cache must be f32, f16 or bf16, got {:?}",
+                    k.dtype()
+                )));
+            }
+            (k.dim(0)?, k.dim(1)?)
+        }
+        LayerKv::Affine { fmt, k, v } => {
+            fmt.check_dim(head_dim)
+                .map_err(|e| shape_err(e.to_string()))?;
+            for (name, t) in [("K", k), ("V", v)] {
+                let ok = t.codes.rank() == 2
+                    && t.codes.dtype() == DType::U32
+                    && t.scales.rank() == 2
+                    && t.scales.dims() == t.biases.dims()
+                    && t.scales.dtype() == t.biases.dtype()
+                    && t.codes.dim(0)? == t.scales.dim(0)?
+                    && matches!(t.scales.dtype(), DType::F32 | DType::F16 | DType::BF16);
+                if !ok {
+                    return Err(shape_err(format!(
+                        "quantized {name}: codes {:?} {:?}, scales {:?} {:?}, biases {:?} {:?} are not a {fmt} pool",
+                        t.codes.dims(), t.codes.dtype(), t.scales.dims(), t.scales.dtype(),
+                        t.biases.dims(), t.biases.dtype()
+                    )));
+                }
+            }
+            if k.codes.dims() != v.codes.dims() || k.scales.dtype() != v.scales.dtype() {
+                return Err(shape_err(
+                    "quantized K and V pools differ in shape or dtype".into(),
+                ));
+            }
+            let w = k.scales.dim(1)? * fmt.group_size();
+            if k.codes.dim(1)? != fmt.words_per_row(w) {
+                return Err(shape_err(format!(
+                    "quantized codes have {} words per row; {fmt} needs {} for width {w}",
+                    k.codes.dim(1)?,
+                    fmt.words_per_row(w)
+                )));
+            }
+            (k.codes.dim(0)?, w)
+        }
+    };
+    if row_width != width {
+        return Err(shape_err(format!(
+            "cache rows hold {row_width} values; {num_kv_heads} KV heads x head_dim {head_dim} = {width}"
+        )));
+    }
+    if rows % block_size != 0 {
+        return Err(shape_err(format!(
+            "pool of {rows} slots is not a whole number of blocks of {block_size}"
+        )));
+    }
+    let max_blocks = match block_tables.dims() {
+        [b, m] if *b == batch && block_tables.dtype() == DType::U32 => *m,
+        d => {
+            return Err(shape_err(format!(
+                "block_tables must be u32 [{batch}, max_blocks], got {:?} {d:?}",
+                block_tables.dtype()
+            )))
+        }
+    };
+    for (name, t) in [("starts", starts), ("lens", lens)] {
+        if t.dims() != [batch] || t.dtype() != DType::U32 {
+            return Err(shape_err(format!(
+                "{name} must be u32 [{batch}], got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            )));
+        }
+    }
+    let dev = q.device();
+    let same = |t: &Tensor| t.device().same_device(dev);
+    let kv_dev_ok = match kv {
+        LayerKv::Dense { k, v } => same(k) && same(v),
+        LayerKv::Affine { k, v, .. } => same(&k.codes) && same(&v.codes),
+    };
+    if !(kv_dev_ok && same(block_tables) && same(starts) && same(lens)) {
+        return Err(shape_err(
+            "q, the cache, block_tables, starts and lens must be on one device".into(),
+        ));
+    }
+    Ok(Dims {
+        batch,
+        heads,
+        head_dim,
+        kv_heads: num_kv_heads,
+        group: heads / num_kv_heads,
+        max_blocks,
+        num_blocks: rows / block_size,
+        block_size,
+    })
+}
+
+/// Host copies of the block tables, starts and lens, checked against the pool: every visible
+/// position must map to an existing block.
+pub(crate) struct Tables {
+    pub tables: Vec<u32>,
+    pub starts: Vec<u32>,
+    pub lens: Vec<u32>,
+}
+
+fn read_tables(
+    dims: &Dims,
+    block_tables: &Tensor,
+    starts: &Tensor,
+    lens: &Tensor,
+) -> Result<Tables> {
+    let tables: Vec<u32> = block_tables.flatten_all()?.to_vec1()?;
+    let starts: Vec<u32> = starts.to_vec1()?;
+    let lens: Vec<u32> = lens.to_vec1()?;
+    for b in 0..dims.batch {
+        let (s, l) = (starts[b] as usize, lens[b] as usize);
+        let err =
+            |msg: String| -> candle_core::Error { DecodeError::Sequence { seq: b, msg }.into() };
+        if l == 0 || s >= l {
+            return Err(err(format!(
+                "needs start < len and len >= 1 (the new token), got start {s}, len {l}"
+            )));
+        }
+        if l > dims.max_blocks * dims.block_size {
+            return Err(err(format!(
+                "len {l} exceeds its block table of {} blocks x {}",
+                dims.max_blocks, dims.block_size
+            )));
+        }
+        let row = &tables[b * dims.max_blocks..(b + 1) * dims.max_blocks];
+        for &blk in &row[s / dims.block_size..l.div_ceil(dims.block_size)] {
+            if blk as usize >= dims.num_blocks {
+                return Err(err(format!(
+                    "block id {blk} is outside the pool of {} blocks",
+                    dims.num_blocks
+                )));
+            }
+        }
+    }
+    Ok(Tables {
+        tables,
+        starts,
+        lens,
+    })
+}
+
+/// Decode attention: one new query token per sequence over its paged cache, reading the pool's
+/// blocks directly — quantized blocks are never expanded to a dense copy: for a group,
+/// `q·k̂ = scale·(q·codes) + bias·Σq` (and V accumulated as `p·(scale·code + bias)`).
+///
+/// `q`: `[B, H, D]` (after RoPE; f32/f16/bf16); `kv`: the layer's pool; `block_tables`: u32
+/// `[B, max_blocks]` (row b = block ids of sequence b in position order; unused entries
+/// arbitrary); `starts`: u32 `[B]`, the first visible position (sliding window: positions before
+/// it are not attended and their blocks may be freed); `lens`: u32 `[B]`, positions `0..len`
+/// exist (the new token's own K/V already written at `len - 1`). GQA: `H = kv_heads * G`, query
+/// head h uses KV head `h / G`, with no K/V copies per query head. Softmax in f32. Returns
+/// `[B, H, D]` in q's dtype.
+///
+/// On the CPU and the generic path, tables, starts and lens are checked (`start < len`, `len`
+/// within the table, block ids within the pool) and a bad sequence is an error. The CUDA kernel
+/// does not copy them back to the host (that would stall every decode step): it checks them on
+/// the device and writes NaN for a sequence that fails those checks.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention(
+    q: &Tensor,
+    kv: &LayerKv,
+    block_tables: &Tensor,
+    starts: &Tensor,
+    lens: &Tensor,
+    block_size: usize,
+    num_kv_heads: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
+    if dims.batch == 0 {
+        return q.zeros_like();
+    }
+    match q.device() {
+        Device::Cpu => {
+            let t = read_tables(&dims, block_tables, starts, lens)?;
+            cpu::decode(q, kv, &dims, &t, scale)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::decode(q, kv, &dims, block_tables, starts, lens, scale),
+        _ => {
+            let t = read_tables(&dims, block_tables, starts, lens)?;
+            generic::decode_checked(q, kv, &dims, &t, scale)
+        }
+    }
+}

@@ -1,0 +1,464 @@
+//! Fused decode attention (`kv::decode::decode_attention`) against the reference
+//! (`kv::decode::generic`: gather → dequantize → dense attention), over every quantized format,
+//! GQA ratios 1/3/8, ragged lengths (1, mid-block, several CPU chunks), shuffled block tables,
+//! sliding windows whose freed blocks hold invalid ids, and a batch as large as the number of KV
+//! heads (the masked-broadcast bug of mlx-lm #1322/#1467). With `--features cuda` on a GPU
+//! machine the CUDA kernel is checked against the same reference.
+
+use candle_core::{DType, Device, Tensor};
+use kvq::kv::decode::{decode_attention, generic};
+use kvq::kv::layer::{KvFormat, LayerKv};
+use kvq::kv::quant::QuantFormat;
+use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+const BLOCK: usize = 16;
+const HEAD_DIM: usize = 128;
+
+/// A batch over one layer's pool: tables map positions to shuffled blocks; entries before the
+/// window and after the end are `u32::MAX`, so reading them would fail the checks (or the test).
+struct Case {
+    kv: LayerKv,
+    q: Tensor,
+    tables: Tensor,
+    starts: Tensor,
+    lens: Tensor,
+    kv_heads: usize,
+}
+
+fn randn(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.sample::<f32, _>(StandardNormal) * std)
+        .collect()
+}
+
+/// `seqs`: (start, len) per sequence.
+fn build(
+    format: KvFormat,
+    kv_heads: usize,
+    gqa: usize,
+    seqs: &[(usize, usize)],
+    q_dtype: DType,
+    seed: u64,
+) -> Case {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let need: Vec<usize> = seqs.iter().map(|&(_, l)| l.div_ceil(BLOCK)).collect();
+    let max_blocks = need.iter().max().copied().unwrap_or(1) + 2;
+    let num_blocks = need.iter().sum::<usize>() + 5;
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    ids.shuffle(&mut rng);
+    let mut tables = vec![u32::MAX; seqs.len() * max_blocks];
+    let mut next = 0;
+    for (b, &(s, l)) in seqs.iter().enumerate() {
+        for i in 0..l.div_ceil(BLOCK) {
+            if i >= s / BLOCK {
+                tables[b * max_blocks + i] = ids[next];
+            }
+            next += 1;
+        }
+    }
+    let width = kv_heads * HEAD_DIM;
+    let slots = num_blocks * BLOCK;
+    let kv = LayerKv::zeros(format, slots, width, &Device::Cpu).unwrap();
+    let k = Tensor::from_vec(
+        randn(&mut rng, slots * width, 1.0),
+        (slots, width),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let v = Tensor::from_vec(
+        randn(&mut rng, slots * width, 1.0),
+        (slots, width),
+        &Device::Cpu,
+    )
+    .unwrap();
+    kv.write_run(0, &k, &v).unwrap();
+    let h = kv_heads * gqa;
+    // Larger queries make the softmax peaked, as in real models.
+    let q = Tensor::from_vec(
+        randn(&mut rng, seqs.len() * h * HEAD_DIM, 3.0),
+        (seqs.len(), h, HEAD_DIM),
+        &Device::Cpu,
+    )
+    .unwrap()
+    .to_dtype(q_dtype)
+    .unwrap();
+    let n = seqs.len();
+    Case {
+        kv,
+        q,
+        tables: Tensor::from_vec(tables, (n, max_blocks), &Device::Cpu).unwrap(),
+        starts: Tensor::from_vec(
+            seqs.iter().map(|s| s.0 as u32).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )
+        .unwrap(),
+        lens: Tensor::from_vec(
+            seqs.iter().map(|s| s.1 as u32).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )
+        .unwrap(),
+        kv_heads,
+    }
+}
+
+fn scale() -> f32 {
+    1.0 / (HEAD_DIM as f32).sqrt()
+}
+
+fn reference(c: &Case) -> Tensor {
+    generic::decode_attention(
+        &c.q,
+        &c.kv,
+        &c.tables,
+        &c.starts,
+        &c.lens,
+        BLOCK,
+        c.kv_heads,
+        scale(),
+    )
+    .unwrap()
+}
+
+/// max |got - want| / max |want|.
+fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
+    assert_eq!(got.dims(), want.dims());
+    assert_eq!(got.dtype(), want.dtype());
+    let g: Vec<f32> = got
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let w: Vec<f32> = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let scale = w.iter().fold(0f32, |a, b| a.max(b.abs()));
+    assert!(scale > 0.0 && scale.is_finite());
+    g.iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(
+            0f32,
+            |a, b| if b.is_nan() { f32::INFINITY } else { a.max(b) },
+        )
+        / scale
+}
+
+/// Ragged batches: length 1, lengths ending mid-block, a long sequence spanning several CPU
+/// chunks, and windows (start > 0) whose earlier blocks are gone.
+fn layouts() -> Vec<(usize, Vec<(usize, usize)>)> {
+    vec![
+        (2, vec![(0, 1), (0, 37), (9, 1100), (50, 64)]),
+        // As many sequences as KV heads.
+        (3, vec![(0, 23), (17, 18), (0, 200)]),
+    ]
+}
+
+fn affine(bits: u32, g: usize, scale_dtype: DType) -> KvFormat {
+    KvFormat::Affine {
+        fmt: QuantFormat::new(bits, g).unwrap(),
+        scale_dtype,
+    }
+}
+
+#[test]
+fn cpu_affine_matches_reference_all_formats() {
+    let mut seed = 0;
+    for bits in QuantFormat::BITS {
+        for g in QuantFormat::GROUP_SIZES {
+            for gqa in [1, 3, 8] {
+                for (kvh, seqs) in layouts() {
+                    seed += 1;
+                    let c = build(
+                        affine(bits, g, DType::F32),
+                        kvh,
+                        gqa,
+                        &seqs,
+                        DType::F32,
+                        seed,
+                    );
+                    let got = decode_attention(
+                        &c.q,
+                        &c.kv,
+                        &c.tables,
+                        &c.starts,
+                        &c.lens,
+                        BLOCK,
+                        kvh,
+                        scale(),
+                    )
+                    .unwrap();
+                    let err = rel_err(&got, &reference(&c));
+                    assert!(
+                        err < 1e-4,
+                        "bits {bits} g {g} gqa {gqa} kvh {kvh} {seqs:?}: rel err {err}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_dense_matches_reference() {
+    for (dt, tol) in [(DType::F32, 1e-4), (DType::F16, 1e-4), (DType::BF16, 1e-4)] {
+        for gqa in [1, 3, 8] {
+            for (kvh, seqs) in layouts() {
+                let c = build(
+                    KvFormat::Dense(dt),
+                    kvh,
+                    gqa,
+                    &seqs,
+                    DType::F32,
+                    7 + gqa as u64,
+                );
+                let got = decode_attention(
+                    &c.q,
+                    &c.kv,
+                    &c.tables,
+                    &c.starts,
+                    &c.lens,
+                    BLOCK,
+                    kvh,
+                    scale(),
+                )
+                .unwrap();
+                let err = rel_err(&got, &reference(&c));
+                assert!(err < tol, "{dt:?} gqa {gqa} kvh {kvh}: rel err {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_half_queries_and_half_scales() {
+    // f16 scales: the reference rounds each dequantized value to f16 (MLX semantics), the fused
+    // kernel keeps the f32 product, so they differ by half-precision rounding only.
+    for (fmt, qdt, tol) in [
+        (affine(4, 64, DType::F16), DType::F32, 2e-3),
+        (affine(8, 32, DType::BF16), DType::F32, 1e-2),
+        (affine(4, 64, DType::F32), DType::F16, 2e-3),
+        (KvFormat::Dense(DType::F16), DType::BF16, 1e-2),
+    ] {
+        let (kvh, seqs) = layouts().remove(0);
+        let c = build(fmt, kvh, 4, &seqs, qdt, 99);
+        let got = decode_attention(
+            &c.q,
+            &c.kv,
+            &c.tables,
+            &c.starts,
+            &c.lens,
+            BLOCK,
+            kvh,
+            scale(),
+        )
+        .unwrap();
+        let err = rel_err(&got, &reference(&c));
+        assert!(err < tol, "{fmt:?} q {qdt:?}: rel err {err}");
+    }
+}
+
+#[test]
+fn quantized_output_is_close_to_dense_attention() {
+    // Sanity of the whole path: 8-bit attention over the same data is close to dense attention.
+    let (kvh, seqs) = layouts().remove(0);
+    let dense = build(KvFormat::Dense(DType::F32), kvh, 2, &seqs, DType::F32, 5);
+    let q8 = build(affine(8, 64, DType::F32), kvh, 2, &seqs, DType::F32, 5);
+    let a = decode_attention(
+        &dense.q,
+        &dense.kv,
+        &dense.tables,
+        &dense.starts,
+        &dense.lens,
+        BLOCK,
+        kvh,
+        scale(),
+    )
+    .unwrap();
+    let b = decode_attention(
+        &q8.q,
+        &q8.kv,
+        &q8.tables,
+        &q8.starts,
+        &q8.lens,
+        BLOCK,
+        kvh,
+        scale(),
+    )
+    .unwrap();
+    let err = rel_err(&b, &a);
+    assert!(err > 0.0 && err < 0.05, "8-bit vs dense rel err {err}");
+}
+
+#[test]
+fn bad_inputs_are_refused() {
+    let (kvh, seqs) = layouts().remove(1);
+    let c = build(affine(4, 32, DType::F32), kvh, 2, &seqs, DType::F32, 3);
+    let call = |tables: &Tensor, starts: &Tensor, lens: &Tensor, kvh: usize| {
+        decode_attention(&c.q, &c.kv, tables, starts, lens, BLOCK, kvh, scale())
+            .unwrap_err()
+            .to_string()
+    };
+    let u = |v: Vec<u32>| Tensor::from_vec(v.clone(), v.len(), &Device::Cpu).unwrap();
+    // start >= len, len 0.
+    assert!(call(&c.tables, &u(vec![0, 18, 0]), &c.lens, kvh).contains("start"));
+    assert!(call(&c.tables, &c.starts, &u(vec![0, 18, 200]), kvh).contains("len"));
+    // len beyond the table, block id outside the pool.
+    let mb = c.tables.dim(1).unwrap() as u32;
+    let e = call(
+        &c.tables,
+        &c.starts,
+        &u(vec![23, 18, mb * BLOCK as u32 + 1]),
+        kvh,
+    );
+    assert!(e.contains("exceeds"), "{e}");
+    let e = call(&c.tables, &c.starts, &u(vec![23, 18, 209]), kvh);
+    assert!(
+        e.contains("outside the pool") || e.contains("block id"),
+        "{e}"
+    );
+    // Heads not a multiple of KV heads; wrong table dtype.
+    assert!(call(&c.tables, &c.starts, &c.lens, 4).contains("multiple"));
+    let e = call(
+        &c.tables.to_dtype(DType::I64).unwrap(),
+        &c.starts,
+        &c.lens,
+        kvh,
+    );
+    assert!(e.contains("block_tables"), "{e}");
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use kvq::kv::quant::Quantized;
+
+    fn to_gpu(c: &Case, dev: &Device) -> Case {
+        let mv = |t: &Tensor| t.to_device(dev).unwrap();
+        let mq = |q: &Quantized| Quantized {
+            codes: mv(&q.codes),
+            scales: mv(&q.scales),
+            biases: mv(&q.biases),
+        };
+        let kv = match &c.kv {
+            LayerKv::Dense { k, v } => LayerKv::Dense { k: mv(k), v: mv(v) },
+            LayerKv::Affine { fmt, k, v } => LayerKv::Affine {
+                fmt: *fmt,
+                k: mq(k),
+                v: mq(v),
+            },
+        };
+        Case {
+            kv,
+            q: mv(&c.q),
+            tables: mv(&c.tables),
+            starts: mv(&c.starts),
+            lens: mv(&c.lens),
+            kv_heads: c.kv_heads,
+        }
+    }
+
+    fn check(c: &Case, dev: &Device, tol: f32, what: &str) {
+        let g = to_gpu(c, dev);
+        let got = decode_attention(
+            &g.q,
+            &g.kv,
+            &g.tables,
+            &g.starts,
+            &g.lens,
+            BLOCK,
+            c.kv_heads,
+            scale(),
+        )
+        .unwrap();
+        let err = rel_err(&got, &reference(c));
+        assert!(err < tol, "{what}: rel err {err}");
+    }
+
+    #[test]
+    fn cuda_matches_reference_all_formats() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        let mut seed = 1000;
+        for bits in QuantFormat::BITS {
+            for g in QuantFormat::GROUP_SIZES {
+                for gqa in [1, 3, 8] {
+                    for (kvh, seqs) in layouts() {
+                        seed += 1;
+                        let c = build(
+                            affine(bits, g, DType::F32),
+                            kvh,
+                            gqa,
+                            &seqs,
+                            DType::F32,
+                            seed,
+                        );
+                        check(
+                            &c,
+                            &dev,
+                            1e-4,
+                            &format!("bits {bits} g {g} gqa {gqa} kvh {kvh}"),
+                        );
+                    }
+                }
+            }
+        }
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            for gqa in [1, 3, 8, 16] {
+                for (kvh, seqs) in layouts() {
+                    let c = build(
+                        KvFormat::Dense(dt),
+                        kvh,
+                        gqa,
+                        &seqs,
+                        DType::F32,
+                        7 + gqa as u64,
+                    );
+                    check(&c, &dev, 1e-4, &format!("dense {dt:?} gqa {gqa} kvh {kvh}"));
+                }
+            }
+        }
+        let (kvh, seqs) = layouts().remove(0);
+        let c = build(affine(4, 64, DType::F16), kvh, 16, &seqs, DType::F16, 77);
+        check(&c, &dev, 5e-3, "4-bit f16 scales, f16 q, gqa 16");
+    }
+
+    #[test]
+    fn cuda_bad_tables_give_nan_for_that_sequence_only() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        let (kvh, seqs) = layouts().remove(1);
+        let c = build(affine(4, 32, DType::F32), kvh, 2, &seqs, DType::F32, 3);
+        let g = to_gpu(&c, &dev);
+        // Sequence 1 gets a start past its length.
+        let starts = Tensor::from_vec(vec![0u32, 40, 0], 3, &dev).unwrap();
+        let got = decode_attention(
+            &g.q,
+            &g.kv,
+            &g.tables,
+            &starts,
+            &g.lens,
+            BLOCK,
+            kvh,
+            scale(),
+        )
+        .unwrap();
+        let got: Vec<Vec<f32>> = got
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .flatten_from(1)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        assert!(got[1].iter().all(|x| x.is_nan()));
+        assert!(got[0].iter().chain(&got[2]).all(|x| x.is_finite()));
+    }
+}

@@ -1,0 +1,187 @@
+//! Quantized KV caches inside `kvq generate`: greedy tokens under 8-bit, the bytes the cache
+//! reports against the format's formula, sliding windows that keep the cache flat, and prefill
+//! peak memory below the dense cache's.
+
+mod common;
+use common::*;
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = kvq(args);
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// Generated ids of a reference case under extra KV flags.
+fn greedy_tokens(case: &serde_json::Value, kv: &[&str], dir: &std::path::Path) -> Vec<u32> {
+    let id = case["id"].as_str().unwrap();
+    let mut args: Vec<String> = [
+        "generate",
+        "--temp",
+        "0",
+        "--dtype",
+        "f32",
+        "--dequantize",
+        "--max-tokens",
+        "48",
+        "--json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(kv.iter().map(|s| s.to_string()));
+    if case["chat_template"].as_bool().unwrap() {
+        let file = dir.join(format!("{id}.json"));
+        std::fs::write(&file, case["messages"].to_string()).unwrap();
+        args.extend(["--messages".into(), file.display().to_string()]);
+    } else {
+        args.extend(["--raw".into(), case["prompt"].as_str().unwrap().to_string()]);
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    ids(&json(&argv)["tokens"])
+}
+
+#[test]
+fn eight_bit_cache_keeps_the_dense_greedy_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ok = 0;
+    let mut report = Vec::new();
+    for case in greedy_cases() {
+        let got = greedy_tokens(&case, &["--kv-bits", "8"], dir.path());
+        let need = required_prefix(&case);
+        let same = got.len() >= need.len() && got[..need.len()] == need[..];
+        ok += same as usize;
+        report.push(format!(
+            "{}: {}",
+            case["id"],
+            if same { "ok" } else { "differs" }
+        ));
+    }
+    assert!(
+        ok >= 11,
+        "8-bit KV kept the dense tokens on only {ok}/12:\n{}",
+        report.join("\n")
+    );
+}
+
+/// 4-bit g64 with f32 scales on this model: 64 dims × 4 bits = 32 B of codes + 4 B scale + 4 B
+/// bias per head → 40 B; 3 KV heads, K and V, 30 layers → 7200 B per token.
+const Q4_F32_BYTES_PER_TOKEN: u64 = 30 * 2 * 3 * 40;
+
+#[test]
+fn reported_bytes_follow_the_format_formula() {
+    let v = json(&[
+        "generate",
+        "--temp",
+        "0",
+        "--max-tokens",
+        "40",
+        "--kv-bits",
+        "4",
+        "--json",
+        "--raw",
+        "The history of the printing press begins",
+    ]);
+    let stats = &v["stats"];
+    assert_eq!(
+        stats["kv_bytes_per_token"].as_u64().unwrap(),
+        Q4_F32_BYTES_PER_TOKEN
+    );
+    let tokens = (v["prompt_tokens"].as_array().unwrap().len()
+        + v["tokens"].as_array().unwrap().len()
+        - 1) as u64; // the last token is never fed back
+    let bytes = stats["kv_bytes"].as_u64().unwrap();
+    let formula = tokens * Q4_F32_BYTES_PER_TOKEN;
+    let block = 16 * Q4_F32_BYTES_PER_TOKEN; // one partial block per sequence (all layers)
+    assert!(
+        bytes >= formula && bytes < formula + block,
+        "{bytes} vs formula {formula}"
+    );
+
+    // Dense f32 for comparison: 64 × 4 B per head.
+    let d = json(&[
+        "generate",
+        "--temp",
+        "0",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--raw",
+        "Hello",
+    ]);
+    assert_eq!(
+        d["stats"]["kv_bytes_per_token"].as_u64().unwrap(),
+        30 * 2 * 3 * 256
+    );
+}
+
+#[test]
+fn sliding_window_keeps_kv_bytes_flat_dense_and_quantized() {
+    for kv in [&[][..], &["--kv-bits", "4"][..]] {
+        let mut args = vec![
+            "generate",
+            "--temp",
+            "0",
+            "--max-tokens",
+            "120",
+            "--max-kv-size",
+            "32",
+            "--json",
+            "--raw",
+            "Once upon a time",
+        ];
+        args.extend_from_slice(kv);
+        let v = json(&args);
+        assert_eq!(v["tokens"].as_array().unwrap().len(), 120, "{kv:?}");
+        let per_token = v["stats"]["kv_bytes_per_token"].as_u64().unwrap();
+        // Window 32 in 16-token blocks: at most 3 blocks held, whatever the length.
+        let peak = v["stats"]["kv_bytes"].as_u64().unwrap();
+        assert!(peak <= 3 * 16 * per_token, "{kv:?}: peak {peak} > 3 blocks");
+    }
+}
+
+#[test]
+fn quantized_prefill_peaks_below_the_dense_cache() {
+    let text = std::fs::read_to_string(reference_dir().join("corpus.txt")).unwrap();
+    let prompt: String = text.chars().take(9000).collect(); // ~2K tokens
+    let peak = |kv: &[&str]| -> u64 {
+        let mut args = vec!["generate", "--max-tokens", "1", "--json", "--raw", &prompt];
+        args.extend_from_slice(kv);
+        json(&args)["stats"]["peak_memory_bytes"].as_u64().unwrap()
+    };
+    let dense = peak(&[]);
+    let q4 = peak(&["--kv-bits", "4"]);
+    assert!(
+        q4 < dense,
+        "4-bit peak {q4} B is not below the dense cache's {dense} B"
+    );
+}
+
+#[test]
+fn bad_kv_flags_are_refused_with_the_reason() {
+    for (args, needle) in [
+        (vec!["--kv-bits", "7"], "allowed"),
+        (vec!["--kv-bits", "4", "--kv-group-size", "48"], "allowed"),
+        (
+            vec!["--kv-bits", "4", "--kv-group-size", "128"],
+            "head_dim 64",
+        ),
+        (vec!["--kv-group-size", "32"], "add --kv-bits"),
+        (vec!["--quantized-kv-start", "64"], "add --kv-bits"),
+        (
+            vec!["--kv-bits", "4", "--kv-dense-layers", "40"],
+            "out of range",
+        ),
+        (vec!["--max-kv-size", "0"], "--max-kv-size"),
+    ] {
+        let mut a = vec!["generate", "--max-tokens", "2"];
+        a.extend(args.iter());
+        a.push("hi");
+        let out = kvq(&a);
+        assert_eq!(out.status.code(), Some(1), "{a:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(needle),
+            "{a:?}: want '{needle}' in {}",
+            stderr(&out)
+        );
+    }
+}

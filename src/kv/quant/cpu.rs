@@ -1,83 +1,88 @@
 //! The fused CPU kernels: one pass over the input per op, rayon over blocks of rows.
 //!
-//! Quantize reads each group once into an f32 buffer, takes min/max, derives the parameters and
-//! writes packed codes; dequantize unpacks 32 codes at a time and applies `code*scale + bias`.
-//! For f16/bf16 the dequantized value is rounded to the narrow type after the product and after
-//! the sum, which is what MLX computes in half precision (f32 has more than 2p+2 bits, so f32
-//! arithmetic followed by one rounding equals native half arithmetic exactly).
+//! On x86-64 with AVX2 and F16C (detected at run time) the blocks run the vector kernels of
+//! [`x86`]; elsewhere the portable kernels below, which compute the same IEEE operations one value
+//! at a time and give bit-identical results (tested). Quantize reads each group, takes min/max,
+//! derives the parameters and writes packed codes; dequantize unpacks 32 codes at a time and
+//! applies `code*scale + bias`. For f16/bf16 the dequantized value is rounded to the narrow type
+//! after the product and after the sum, which is what MLX computes in half precision (f32 has more
+//! than 2p+2 bits, so f32 arithmetic followed by one rounding equals native half arithmetic).
 
 use super::pack::{code_of, group_params, min_max, pack32, unpack32};
 use candle_core::WithDType;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// Largest allowed group size; sizes the per-group stack buffers.
 const MAX_GROUP: usize = 128;
 /// Values per rayon task: large enough to amortise scheduling, small enough to balance.
 const VALUES_PER_TASK: usize = 1 << 15;
 
-/// A float element type the kernels read and write, converted through f32. `SIMD` is true inside
-/// the AVX2/F16C-compiled copies of the kernels (only entered after runtime detection).
-pub(crate) trait Elem: WithDType + Copy + Send + Sync {
-    fn load<const SIMD: bool>(src: &[Self], dst: &mut [f32]);
-    fn store<const SIMD: bool>(src: &[f32], dst: &mut [Self]);
+/// The vector conversions an element type needs on x86-64; nothing elsewhere.
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait Simd: x86::Lanes {}
+#[cfg(target_arch = "x86_64")]
+impl<T: x86::Lanes> Simd for T {}
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) trait Simd {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T> Simd for T {}
+
+/// A float element type the kernels read and write, converted through f32.
+pub(crate) trait Elem: WithDType + Copy + Send + Sync + Simd {
+    fn load(src: &[Self], dst: &mut [f32]);
+    fn store(src: &[f32], dst: &mut [Self]);
     /// Rounds each value to this type's precision (identity for f32).
-    fn narrow<const SIMD: bool>(buf: &mut [f32]);
+    fn narrow(buf: &mut [f32]);
 }
 
 impl Elem for f32 {
     #[inline(always)]
-    fn load<const SIMD: bool>(src: &[Self], dst: &mut [f32]) {
+    fn load(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src)
     }
     #[inline(always)]
-    fn store<const SIMD: bool>(src: &[f32], dst: &mut [Self]) {
+    fn store(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src)
     }
     #[inline(always)]
-    fn narrow<const SIMD: bool>(_: &mut [f32]) {}
+    fn narrow(_: &mut [f32]) {}
 }
 
 impl Elem for f16 {
     #[inline(always)]
-    fn load<const SIMD: bool>(src: &[Self], dst: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if SIMD {
-            // SAFETY: SIMD copies run only when AVX2 and F16C were detected at runtime.
-            return unsafe { x86::f16_to_f32(src, dst) };
-        }
+    fn load(src: &[Self], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst)
     }
     #[inline(always)]
-    fn store<const SIMD: bool>(src: &[f32], dst: &mut [Self]) {
-        #[cfg(target_arch = "x86_64")]
-        if SIMD {
-            // SAFETY: as above.
-            return unsafe { x86::f32_to_f16(src, dst) };
-        }
+    fn store(src: &[f32], dst: &mut [Self]) {
         dst.convert_from_f32_slice(src)
     }
     #[inline(always)]
-    fn narrow<const SIMD: bool>(buf: &mut [f32]) {
+    fn narrow(buf: &mut [f32]) {
         let mut tmp = [f16::ZERO; MAX_GROUP];
         let tmp = &mut tmp[..buf.len()];
-        Self::store::<SIMD>(buf, tmp);
-        Self::load::<SIMD>(tmp, buf);
+        Self::store(buf, tmp);
+        Self::load(tmp, buf);
     }
 }
 
 /// bf16 is the top half of an f32: widening is a shift, narrowing rounds to nearest even
-/// (NaNs stay quiet NaNs). Plain integer code, so both kernel copies vectorize it.
+/// (NaNs stay quiet NaNs). Plain integer code, so it vectorizes.
 impl Elem for bf16 {
     #[inline(always)]
-    fn load<const SIMD: bool>(src: &[Self], dst: &mut [f32]) {
+    fn load(src: &[Self], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = f32::from_bits((s.to_bits() as u32) << 16);
         }
     }
     #[inline(always)]
-    fn store<const SIMD: bool>(src: &[f32], dst: &mut [Self]) {
+    fn store(src: &[f32], dst: &mut [Self]) {
         for (d, s) in dst.iter_mut().zip(src) {
             let b = s.to_bits();
             let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
@@ -86,55 +91,22 @@ impl Elem for bf16 {
         }
     }
     #[inline(always)]
-    fn narrow<const SIMD: bool>(buf: &mut [f32]) {
+    fn narrow(buf: &mut [f32]) {
         let mut tmp = [bf16::ZERO; MAX_GROUP];
         let tmp = &mut tmp[..buf.len()];
-        Self::store::<SIMD>(buf, tmp);
-        Self::load::<SIMD>(tmp, buf);
+        Self::store(buf, tmp);
+        Self::load(tmp, buf);
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use half::f16;
-    use std::arch::x86_64::*;
-
-    /// Whether the AVX2/F16C kernel copies may run on this CPU.
-    pub(super) fn available() -> bool {
-        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *OK.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"))
+/// Zero-fills an output chunk for the portable kernels, which take initialised slices. (The
+/// vector kernels write every output element exactly once and need no such pass.)
+fn init<T: Copy>(s: &mut [MaybeUninit<T>], zero: T) -> &mut [T] {
+    for v in s.iter_mut() {
+        v.write(zero);
     }
-
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-        let n = src.len().min(dst.len());
-        let mut i = 0;
-        while i + 8 <= n {
-            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-            i += 8;
-        }
-        for k in i..n {
-            dst[k] = src[k].to_f32();
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
-        let n = src.len().min(dst.len());
-        let mut i = 0;
-        while i + 8 <= n {
-            let v = _mm256_loadu_ps(src.as_ptr().add(i));
-            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-            _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, h);
-            i += 8;
-        }
-        for k in i..n {
-            dst[k] = f16::from_f32(src[k]);
-        }
-    }
+    // SAFETY: every element was just written, and MaybeUninit<T> has T's layout.
+    unsafe { &mut *(s as *mut [MaybeUninit<T>] as *mut [T]) }
 }
 
 /// Rows per rayon task for rows of `d` values.
@@ -142,15 +114,16 @@ fn rows_per_task(d: usize) -> usize {
     (VALUES_PER_TASK / d).max(1)
 }
 
-/// Quantizes contiguous rows of `d` values. Output slices are sized by the caller from the format.
+/// Quantizes contiguous rows of `d` values. Output slices are sized by the caller from the format;
+/// every element of them is written.
 pub(crate) fn quantize<T: Elem>(
     x: &[T],
     d: usize,
     bits: u32,
     group: usize,
-    codes: &mut [u32],
-    scales: &mut [T],
-    biases: &mut [T],
+    codes: &mut [MaybeUninit<u32>],
+    scales: &mut [MaybeUninit<T>],
+    biases: &mut [MaybeUninit<T>],
 ) {
     match bits {
         2 => quantize_b::<T, 2>(x, d, group, codes, scales, biases),
@@ -167,9 +140,9 @@ fn quantize_b<T: Elem, const B: u32>(
     x: &[T],
     d: usize,
     group: usize,
-    codes: &mut [u32],
-    scales: &mut [T],
-    biases: &mut [T],
+    codes: &mut [MaybeUninit<u32>],
+    scales: &mut [MaybeUninit<T>],
+    biases: &mut [MaybeUninit<T>],
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
@@ -180,29 +153,17 @@ fn quantize_b<T: Elem, const B: u32>(
         .for_each(|(((x, codes), scales), biases)| {
             #[cfg(target_arch = "x86_64")]
             if x86::available() {
-                // SAFETY: AVX2 and F16C were detected.
-                return unsafe { quantize_task_avx2::<T, B>(x, d, group, codes, scales, biases) };
+                // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
+                return unsafe { x86::quantize_block::<T, B>(x, d, group, codes, scales, biases) };
             }
-            quantize_task::<T, B, false>(x, d, group, codes, scales, biases)
+            let zero = T::from_f64(0.0);
+            let (codes, scales, biases) = (init(codes, 0), init(scales, zero), init(biases, zero));
+            quantize_task::<T, B>(x, d, group, codes, scales, biases)
         });
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn quantize_task_avx2<T: Elem, const B: u32>(
-    x: &[T],
-    d: usize,
-    group: usize,
-    codes: &mut [u32],
-    scales: &mut [T],
-    biases: &mut [T],
-) {
-    quantize_task::<T, B, true>(x, d, group, codes, scales, biases)
-}
-
-/// Quantizes a block of whole rows (one rayon task).
-#[inline(always)]
-fn quantize_task<T: Elem, const B: u32, const SIMD: bool>(
+/// Quantizes a block of whole rows (one rayon task), portable version.
+fn quantize_task<T: Elem, const B: u32>(
     x: &[T],
     d: usize,
     group: usize,
@@ -229,7 +190,7 @@ fn quantize_task<T: Elem, const B: u32, const SIMD: bool>(
             .enumerate()
         {
             let buf = &mut buf[..group];
-            T::load::<SIMD>(xg, buf);
+            T::load(xg, buf);
             let (mn, mx) = min_max(buf);
             let (scale, bias) = group_params(mn, mx, n);
             s32[gi] = scale;
@@ -241,12 +202,12 @@ fn quantize_task<T: Elem, const B: u32, const SIMD: bool>(
                 pack32::<B>(&q, cc);
             }
         }
-        T::store::<SIMD>(&s32[..groups], sr);
-        T::store::<SIMD>(&b32[..groups], br);
+        T::store(&s32[..groups], sr);
+        T::store(&b32[..groups], br);
     }
 }
 
-/// Dequantizes contiguous rows of `d` values into `out`.
+/// Dequantizes contiguous rows of `d` values into `out`, writing every element.
 pub(crate) fn dequantize<T: Elem>(
     codes: &[u32],
     scales: &[T],
@@ -254,7 +215,7 @@ pub(crate) fn dequantize<T: Elem>(
     d: usize,
     bits: u32,
     group: usize,
-    out: &mut [T],
+    out: &mut [MaybeUninit<T>],
 ) {
     match bits {
         2 => dequantize_b::<T, 2>(codes, scales, biases, d, group, out),
@@ -273,7 +234,7 @@ fn dequantize_b<T: Elem, const B: u32>(
     biases: &[T],
     d: usize,
     group: usize,
-    out: &mut [T],
+    out: &mut [MaybeUninit<T>],
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
@@ -284,31 +245,18 @@ fn dequantize_b<T: Elem, const B: u32>(
         .for_each(|(((out, codes), scales), biases)| {
             #[cfg(target_arch = "x86_64")]
             if x86::available() {
-                // SAFETY: AVX2 and F16C were detected.
+                // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
                 return unsafe {
-                    dequantize_task_avx2::<T, B>(codes, scales, biases, d, group, out)
+                    x86::dequantize_block::<T, B>(codes, scales, biases, d, group, out)
                 };
             }
-            dequantize_task::<T, B, false>(codes, scales, biases, d, group, out)
+            let out = init(out, T::from_f64(0.0));
+            dequantize_task::<T, B>(codes, scales, biases, d, group, out)
         });
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn dequantize_task_avx2<T: Elem, const B: u32>(
-    codes: &[u32],
-    scales: &[T],
-    biases: &[T],
-    d: usize,
-    group: usize,
-    out: &mut [T],
-) {
-    dequantize_task::<T, B, true>(codes, scales, biases, d, group, out)
-}
-
-/// Dequantizes a block of whole rows (one rayon task).
-#[inline(always)]
-fn dequantize_task<T: Elem, const B: u32, const SIMD: bool>(
+/// Dequantizes a block of whole rows (one rayon task), portable version.
+fn dequantize_task<T: Elem, const B: u32>(
     codes: &[u32],
     scales: &[T],
     biases: &[T],
@@ -328,8 +276,8 @@ fn dequantize_task<T: Elem, const B: u32, const SIMD: bool>(
         .zip(scales.chunks_exact(groups))
         .zip(biases.chunks_exact(groups));
     for (((or, cr), sr), br) in row_iter {
-        T::load::<SIMD>(sr, &mut s32[..groups]);
-        T::load::<SIMD>(br, &mut b32[..groups]);
+        T::load(sr, &mut s32[..groups]);
+        T::load(br, &mut b32[..groups]);
         for (gi, (og, cg)) in or
             .chunks_exact_mut(group)
             .zip(cr.chunks_exact(gw))
@@ -343,11 +291,97 @@ fn dequantize_task<T: Elem, const B: u32, const SIMD: bool>(
                     *v = c as f32 * scale;
                 }
             }
-            T::narrow::<SIMD>(buf);
+            T::narrow(buf);
             for v in buf.iter_mut() {
                 *v += bias;
             }
-            T::store::<SIMD>(buf, og);
+            T::store(buf, og);
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    //! The vector kernels against the portable ones, bit for bit, on data with the edge cases of
+    //! the golden file mixed in (zero, constant, tiny and huge groups, NaN).
+    use super::*;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    fn data(rows: usize, d: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut x: Vec<f32> = (0..rows * d)
+            .map(|_| rng.random_range(-3.0f32..3.0))
+            .collect();
+        let specials: [&dyn Fn(usize) -> f32; 6] = [
+            &|_| 0.0,
+            &|_| 1.25,
+            &|i| if i % 2 == 0 { -7.5 } else { 0.5 },
+            &|i| i as f32 * 1e-9,
+            &|i| (i as f32 - 20.0) * 3e4,
+            &|i| if i == 3 { f32::NAN } else { i as f32 },
+        ];
+        for (r, f) in specials.iter().enumerate().take(rows) {
+            for (i, v) in x[r * d..(r + 1) * d].iter_mut().enumerate() {
+                *v = f(i);
+            }
+        }
+        x
+    }
+
+    /// An initialised slice seen as an output slice (only valid values are written to it).
+    fn uninit<T>(s: &mut [T]) -> &mut [MaybeUninit<T>] {
+        // SAFETY: same layout; writing initialised values keeps the Vec valid.
+        unsafe { &mut *(s as *mut [T] as *mut [MaybeUninit<T>]) }
+    }
+
+    fn bits<T: Elem>(v: &[T]) -> Vec<u64> {
+        v.iter().map(|x| x.to_f64().to_bits()).collect()
+    }
+
+    fn check<T: Elem, const B: u32>(group: usize) {
+        let (rows, d) = (9, 256);
+        let x: Vec<T> = data(rows, d, B as u64 * 1000 + group as u64)
+            .into_iter()
+            .map(|v| T::from_f64(v as f64))
+            .collect();
+        let (nw, ng) = (rows * d * B as usize / 32, rows * d / group);
+        let z = T::from_f64(0.0);
+        let (mut c0, mut s0, mut b0) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
+        let (mut c1, mut s1, mut b1) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
+        quantize_task::<T, B>(&x, d, group, &mut c0, &mut s0, &mut b0);
+        let (c1u, s1u, b1u) = (uninit(&mut c1), uninit(&mut s1), uninit(&mut b1));
+        // SAFETY: only reached when AVX2 and F16C are present (checked by the caller).
+        unsafe { x86::quantize_block::<T, B>(&x, d, group, c1u, s1u, b1u) };
+        let what = format!("{:?} bits {B} group {group}", T::DTYPE);
+        assert_eq!(c0, c1, "codes, {what}");
+        assert_eq!(bits(&s0), bits(&s1), "scales, {what}");
+        assert_eq!(bits(&b0), bits(&b1), "biases, {what}");
+        let (mut o0, mut o1) = (vec![z; rows * d], vec![z; rows * d]);
+        dequantize_task::<T, B>(&c0, &s0, &b0, d, group, &mut o0);
+        // SAFETY: as above.
+        unsafe { x86::dequantize_block::<T, B>(&c0, &s0, &b0, d, group, uninit(&mut o1)) };
+        assert_eq!(bits(&o0), bits(&o1), "dequantized, {what}");
+    }
+
+    fn all_bits<T: Elem>() {
+        for g in [32, 64, 128] {
+            check::<T, 2>(g);
+            check::<T, 3>(g);
+            check::<T, 4>(g);
+            check::<T, 5>(g);
+            check::<T, 6>(g);
+            check::<T, 8>(g);
+        }
+    }
+
+    #[test]
+    fn vector_kernels_match_portable_bit_for_bit() {
+        if !x86::available() {
+            eprintln!("skipped: no AVX2/F16C on this CPU");
+            return;
+        }
+        all_bits::<f32>();
+        all_bits::<f16>();
+        all_bits::<bf16>();
     }
 }

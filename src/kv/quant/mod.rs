@@ -207,31 +207,47 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
     let (lo, hi) = layout
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("quantize: input is not contiguous".into()))?;
-    let mut codes = vec![0u32; rows * words];
+    let nc = rows * words;
+    let mut codes = Vec::with_capacity(nc);
     fn run<T: cpu::Elem>(
         x: &[T],
         d: usize,
         fmt: QuantFormat,
-        codes: &mut [u32],
+        codes: &mut Vec<u32>,
+        nc: usize,
         n: usize,
     ) -> (Vec<T>, Vec<T>) {
-        let mut s = vec![T::from_f64(0.0); n];
-        let mut b = vec![T::from_f64(0.0); n];
-        cpu::quantize(x, d, fmt.bits(), fmt.group_size(), codes, &mut s, &mut b);
+        let (mut s, mut b) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        cpu::quantize(
+            x,
+            d,
+            fmt.bits(),
+            fmt.group_size(),
+            &mut codes.spare_capacity_mut()[..nc],
+            &mut s.spare_capacity_mut()[..n],
+            &mut b.spare_capacity_mut()[..n],
+        );
+        // SAFETY: the kernel writes every element of the slices it is given (no zero fill pass
+        // before the one real write).
+        unsafe {
+            codes.set_len(nc);
+            s.set_len(n);
+            b.set_len(n);
+        }
         (s, b)
     }
     let n = rows * groups;
     let (scales, biases) = match &*storage {
         Storage::Cpu(CpuStorage::F32(v)) => {
-            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, n);
+            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, nc, n);
             (CpuStorage::F32(s), CpuStorage::F32(b))
         }
         Storage::Cpu(CpuStorage::F16(v)) => {
-            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, n);
+            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, nc, n);
             (CpuStorage::F16(s), CpuStorage::F16(b))
         }
         Storage::Cpu(CpuStorage::BF16(v)) => {
-            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, n);
+            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, nc, n);
             (CpuStorage::BF16(s), CpuStorage::BF16(b))
         }
         _ => {
@@ -278,8 +294,18 @@ fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
         fmt: QuantFormat,
         len: usize,
     ) -> Vec<T> {
-        let mut out = vec![T::from_f64(0.0); len];
-        cpu::dequantize(cv, s, b, d, fmt.bits(), fmt.group_size(), &mut out);
+        let mut out = Vec::with_capacity(len);
+        cpu::dequantize(
+            cv,
+            s,
+            b,
+            d,
+            fmt.bits(),
+            fmt.group_size(),
+            &mut out.spare_capacity_mut()[..len],
+        );
+        // SAFETY: the kernel writes every element of `out` (no zero fill pass before it).
+        unsafe { out.set_len(len) };
         out
     }
     let len = rows * d;

@@ -28,13 +28,15 @@ pub(crate) fn group_params(wmin: f32, wmax: f32, n: f32) -> (f32, f32) {
 }
 
 /// `clamp(round_half_even((x - bias) / scale), 0, n)`. Clamping first is equivalent (rounding is
-/// monotonic and 0, n are integers) and keeps the value in the magic-number range.
+/// monotonic and 0, n are integers) and keeps the value in the magic-number range, where
+/// `v + 1.5*2^23` has ulp 1: its low mantissa bits are the rounded integer, read off as bits
+/// (no float-to-int conversion, whose saturating semantics would not vectorize).
 #[inline(always)]
 pub(crate) fn code_of(x: f32, scale: f32, bias: f32, n: f32) -> u32 {
     let v = (x - bias) / scale;
     let v = if v > 0.0 { v } else { 0.0 };
     let v = if v < n { v } else { n };
-    ((v + ROUND_MAGIC) - ROUND_MAGIC) as i32 as u32
+    (v + ROUND_MAGIC).to_bits() - ROUND_MAGIC.to_bits()
 }
 
 /// Min and max of a slice, in eight independent lanes so the loop vectorizes.

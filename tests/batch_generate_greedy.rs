@@ -12,7 +12,7 @@ use kvq::engine::batch::{Batch, BatchRequest};
 use kvq::engine::request::Request;
 use kvq::engine::sampler::SamplingParams;
 use kvq::engine::scheduler::{Engine, EngineConfig};
-use kvq::kv::cache::PagedKvCache;
+use kvq::kv::cache::{CacheConfig, PagedKvCache};
 use kvq::model::llama::{LogitsFor, SeqInput};
 use kvq::model::load::{load, LoadedModel};
 use rand::rngs::StdRng;
@@ -22,7 +22,8 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
 
 fn dense_cache(m: &LoadedModel, blocks: usize) -> PagedKvCache {
-    let cfg = Engine::cache_config(&m.model, 16, blocks, DType::F32);
+    let c = m.model.config();
+    let cfg = CacheConfig::dense(c.num_layers, c.num_kv_heads, c.head_dim, 16, blocks, DType::F32);
     PagedKvCache::new(cfg, &Device::Cpu).unwrap()
 }
 

@@ -166,6 +166,9 @@ fn default_shape_memory_matches_the_issue() {
         let cfg = BenchConfig {
             layers: 32,
             seq_len: 512,
+            seq_lens: vec![512],
+            gqa: 4,
+            block_size: 16,
             heads: 32,
             head_dim: 128,
             batch: 1,

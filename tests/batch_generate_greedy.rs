@@ -23,7 +23,14 @@ use std::sync::atomic::AtomicBool;
 
 fn dense_cache(m: &LoadedModel, blocks: usize) -> PagedKvCache {
     let c = m.model.config();
-    let cfg = CacheConfig::dense(c.num_layers, c.num_kv_heads, c.head_dim, 16, blocks, DType::F32);
+    let cfg = CacheConfig::dense(
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        16,
+        blocks,
+        DType::F32,
+    );
     PagedKvCache::new(cfg, &Device::Cpu).unwrap()
 }
 

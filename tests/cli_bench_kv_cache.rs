@@ -110,10 +110,21 @@ fn csv_has_header_and_one_line_per_row() {
     let out = kvq(&args);
     assert!(out.status.success());
     let s = String::from_utf8(out.stdout).unwrap();
-    let lines: Vec<&str> = s.lines().collect();
+    // First the memory/quantize table, then (after a blank line) the attention table.
+    let (table, attention) = s.split_once("\n\n").expect("two CSV sections");
+    let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines.len(), 3, "{s}");
     assert!(lines[0].starts_with("mode,bits,bytes,"));
     assert!(lines[2].starts_with("2-bit,2,"));
+    let att: Vec<&str> = attention.lines().collect();
+    assert!(att[0].starts_with("seq_len,mode,bits,ms,"), "{s}");
+    assert_eq!(att.len(), 3, "{s}");
+    assert!(att[2].contains(",2-bit,2,"), "{s}");
+
+    args.push("--no-attention");
+    let out = kvq(&args);
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap().lines().count(), 3);
 }
 
 #[test]

@@ -139,7 +139,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     let window = model.config().max_position_embeddings;
     let longest = requests
         .iter()
-        .map(|(_, b)| lifetime(&b.request, window))
+        .map(|(_, b)| b.request.cache_tokens(window))
         .max()
         .unwrap_or(1);
     let probe = args.kv.cache_config(model, 0, args.max_batch)?;
@@ -340,11 +340,6 @@ fn open_sink(args: &BatchGenerateArgs, append: bool) -> Result<Sink> {
     Ok(Sink::new(Box::new(file)))
 }
 
-/// Tokens a request may hold in the cache (as the engine counts them).
-fn lifetime(r: &Request, window: usize) -> usize {
-    (r.prompt.len() + r.max_tokens.saturating_sub(1)).min(window)
-}
-
 /// KV blocks to allocate: the --kv-memory budget, or by default room for --max-batch of the
 /// longest request (each with a partial block), capped at half the available memory but never
 /// below one longest request.
@@ -389,12 +384,12 @@ fn build_request(
                 msgs.push(Message::new("system", s.clone()));
             }
             msgs.push(Message::new("user", t.clone()));
-            render(m, &msgs)?
+            m.encode_chat(&msgs)?
         }
         PromptSpec::Messages(_) if raw => {
             bail!("\"raw\" uses no chat template, so it cannot take \"messages\"")
         }
-        PromptSpec::Messages(msgs) => render(m, msgs)?,
+        PromptSpec::Messages(msgs) => m.encode_chat(msgs)?,
     };
     let mut params = args.sampling.params();
     if let Some(t) = r.temperature {
@@ -424,17 +419,6 @@ fn build_request(
         },
         stop: r.stop.clone().unwrap_or_else(|| args.sampling.stop.clone()),
     })
-}
-
-fn render(m: &LoadedModel, msgs: &[Message]) -> Result<Vec<u32>> {
-    let template = m.chat_template.as_ref().with_context(|| {
-        format!(
-            "{} has no chat template: use --raw (or \"raw\": true) for plain-text prompts",
-            m.description
-        )
-    })?;
-    let text = template.render(msgs, true)?;
-    m.tokenizer.encode(&text, false)
 }
 
 /// First Ctrl-C: stop admitting and end the running requests; second: leave at once.

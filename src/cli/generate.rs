@@ -3,17 +3,16 @@
 //! This is the batch engine with a single request: the same scheduler, cache and model code
 //! that `batch-generate` drives.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use std::io::Write;
 use std::path::PathBuf;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
-use crate::engine::detok::Detokenizer;
 use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes, Stats};
-use crate::engine::stop::StopMatcher;
+use crate::engine::text_stream::TextStream;
 use crate::model::chat::{read_messages, Message};
 use crate::model::load::{load, LoadedModel};
 
@@ -110,14 +109,7 @@ fn prompt_ids(args: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
             args.prompt.clone().unwrap_or_default(),
         ));
     }
-    let template = m.chat_template.as_ref().with_context(|| {
-        format!(
-            "{} has no chat template: use --raw to send the prompt as plain text",
-            m.description
-        )
-    })?;
-    let text = template.render(&messages, true)?;
-    m.tokenizer.encode(&text, false)
+    m.encode_chat(&messages)
 }
 
 struct Output {
@@ -182,19 +174,13 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         eos: m.tokenizer.eos_token_ids().to_vec(),
     })?;
 
-    let mut detok = Detokenizer::new(&m.tokenizer, true);
-    let mut stops = StopMatcher::new(args.sampling.stop.clone());
+    let mut stream = TextStream::new(&m.tokenizer, args.sampling.stop.clone());
     let mut tokens = Vec::new();
-    let mut text = String::new();
+    let mut printed = 0; // bytes of the text already on stdout
     let mut finish = FinishReason::Length;
-    let stdout = std::io::stdout();
-    let emit = |s: &str, text: &mut String| -> Result<()> {
-        if s.is_empty() {
-            return Ok(());
-        }
-        text.push_str(s);
-        if !args.json {
-            let mut lock = stdout.lock();
+    let print = |s: &str| -> Result<()> {
+        if !args.json && !s.is_empty() {
+            let mut lock = std::io::stdout().lock();
             lock.write_all(s.as_bytes())?;
             lock.flush()?;
         }
@@ -208,9 +194,9 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
             match ev {
                 Event::Token { id, token } => {
                     tokens.push(token);
-                    let piece = detok.push(token)?;
-                    let (out, stopped) = stops.push(&piece);
-                    emit(&out, &mut text)?;
+                    let (out, stopped) = stream.push(token)?;
+                    print(&out)?;
+                    printed += out.len();
                     if stopped {
                         finish = FinishReason::Stop;
                         engine.finish(id);
@@ -221,13 +207,9 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
             }
         }
     }
-    if finish != FinishReason::Stop || !stops.stopped() {
-        let tail = detok.finish()?;
-        let (out, _) = stops.push(&tail);
-        emit(&out, &mut text)?;
-        let rest = stops.finish();
-        emit(&rest, &mut text)?;
-    }
+    // Whatever was held back (a partial character, a possible stop-string prefix) comes last.
+    let text = stream.finish()?;
+    print(&text[printed..])?;
     if !args.json && !text.ends_with('\n') {
         println!();
     }

@@ -13,6 +13,14 @@ pub struct Request {
     pub eos: Vec<u32>,
 }
 
+impl Request {
+    /// Most tokens this request can hold in the KV cache in a window of `window` positions:
+    /// the prompt and every generated token but the last, which is never fed back.
+    pub fn cache_tokens(&self, window: usize) -> usize {
+        (self.prompt.len() + self.max_tokens.saturating_sub(1)).min(window)
+    }
+}
+
 /// Why a request stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -77,9 +77,7 @@ impl<'m> Engine<'m> {
 
     /// Tokens a request may occupy in the cache at most.
     fn lifetime_tokens(&self, req: &Request) -> usize {
-        let window = self.model.config().max_position_embeddings;
-        // The last generated token is never fed back, hence the -1.
-        (req.prompt.len() + req.max_tokens.saturating_sub(1)).min(window)
+        req.cache_tokens(self.model.config().max_position_embeddings)
     }
 
     /// Queues a request; returns its id. Refuses what can never run.

@@ -26,6 +26,21 @@ pub struct LoadedModel {
     pub description: String,
 }
 
+impl LoadedModel {
+    /// Renders a conversation with the model's chat template (ending with the assistant's
+    /// turn) and tokenizes it; the template supplies any BOS.
+    pub fn encode_chat(&self, messages: &[super::chat::Message]) -> Result<Vec<u32>> {
+        let template = self.chat_template.as_ref().with_context(|| {
+            format!(
+                "{} has no chat template: send the prompt as plain text with --raw",
+                self.description
+            )
+        })?;
+        let text = template.render(messages, true)?;
+        self.tokenizer.encode(&text, false)
+    }
+}
+
 /// Loads what `args` names onto `device`.
 pub fn load(args: &ModelArgs, device: &Device) -> Result<LoadedModel> {
     let dtype = args.dtype_for(device);

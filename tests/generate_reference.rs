@@ -11,27 +11,7 @@ fn greedy_generate_matches_transformers_reference() {
     let mut failures = Vec::new();
     for case in greedy_cases() {
         let id = case["id"].as_str().unwrap().to_string();
-        let mut args = vec![
-            "generate",
-            "--temp",
-            "0",
-            "--dtype",
-            "f32",
-            "--dequantize",
-            "--max-tokens",
-            "48",
-            "--json",
-        ]
-        .into_iter()
-        .map(String::from)
-        .collect::<Vec<_>>();
-        if case["chat_template"].as_bool().unwrap() {
-            let file = dir.path().join(format!("{id}.json"));
-            std::fs::write(&file, case["messages"].to_string()).unwrap();
-            args.extend(["--messages".into(), file.display().to_string()]);
-        } else {
-            args.extend(["--raw".into(), case["prompt"].as_str().unwrap().to_string()]);
-        }
+        let args = reference_generate_args(&case, &[], dir.path());
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = kvq(&argv);
         assert!(out.status.success(), "{id}: {}", stderr(&out));

@@ -13,29 +13,7 @@ fn json(args: &[&str]) -> serde_json::Value {
 
 /// Generated ids of a reference case under extra KV flags.
 fn greedy_tokens(case: &serde_json::Value, kv: &[&str], dir: &std::path::Path) -> Vec<u32> {
-    let id = case["id"].as_str().unwrap();
-    let mut args: Vec<String> = [
-        "generate",
-        "--temp",
-        "0",
-        "--dtype",
-        "f32",
-        "--dequantize",
-        "--max-tokens",
-        "48",
-        "--json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(kv.iter().map(|s| s.to_string()));
-    if case["chat_template"].as_bool().unwrap() {
-        let file = dir.join(format!("{id}.json"));
-        std::fs::write(&file, case["messages"].to_string()).unwrap();
-        args.extend(["--messages".into(), file.display().to_string()]);
-    } else {
-        args.extend(["--raw".into(), case["prompt"].as_str().unwrap().to_string()]);
-    }
+    let args = reference_generate_args(case, kv, dir);
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     ids(&json(&argv)["tokens"])
 }

@@ -57,3 +57,36 @@ pub fn kvq(args: &[&str]) -> Output {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// `kvq generate` arguments for a reference case: greedy, f32, dequantized weights, 48 tokens,
+/// `--json`, then `extra`; chat cases go through `--messages` (a file written into `dir`), raw
+/// ones through `--raw`.
+pub fn reference_generate_args(
+    case: &serde_json::Value,
+    extra: &[&str],
+    dir: &std::path::Path,
+) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "generate",
+        "--temp",
+        "0",
+        "--dtype",
+        "f32",
+        "--dequantize",
+        "--max-tokens",
+        "48",
+        "--json",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect();
+    if case["chat_template"].as_bool().unwrap() {
+        let file = dir.join(format!("{}.json", case["id"].as_str().unwrap()));
+        std::fs::write(&file, case["messages"].to_string()).unwrap();
+        args.extend(["--messages".into(), file.display().to_string()]);
+    } else {
+        args.extend(["--raw".into(), case["prompt"].as_str().unwrap().to_string()]);
+    }
+    args
+}

@@ -56,6 +56,7 @@ fn affine(bits: u32) -> KvFormat {
     KvFormat::Affine {
         fmt: QuantFormat::new(bits, 64).unwrap(),
         scale_dtype: DType::F16,
+        rotated: false,
     }
 }
 

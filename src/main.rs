@@ -18,6 +18,9 @@ enum Command {
     BatchGenerate(Box<cli::batch_generate::BatchGenerateArgs>),
     /// Memory, compression, error and latency of f16 vs quantized KV caches.
     BenchKvCache(cli::bench_kv_cache::BenchKvCacheArgs),
+    /// Perplexity of a text, and KL divergence / same-top-1 of quantized KV caches against the
+    /// dense cache.
+    Perplexity(Box<cli::perplexity::PerplexityArgs>),
 }
 
 fn main() {
@@ -40,6 +43,7 @@ fn main() {
         Command::Generate(a) => cli::generate::run(a),
         Command::BatchGenerate(a) => cli::batch_generate::run(a),
         Command::BenchKvCache(a) => cli::bench_kv_cache::run(a),
+        Command::Perplexity(a) => cli::perplexity::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", cli::one_line(&e));

@@ -168,6 +168,7 @@ fn affine(bits: u32, g: usize, scale_dtype: DType) -> KvFormat {
     KvFormat::Affine {
         fmt: QuantFormat::new(bits, g).unwrap(),
         scale_dtype,
+        rotated: false,
     }
 }
 

@@ -101,6 +101,7 @@ fn batched_greedy_equals_alone() {
         tokenizer: None,
         dtype: Some(DTypeArg::F32),
         dequantize: true,
+        keep_quantized: false,
     };
     let m = load(&args, &Device::Cpu).unwrap();
     let eos = m.tokenizer.eos_token_ids().to_vec();

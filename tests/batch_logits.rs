@@ -42,6 +42,7 @@ fn batched_rows_equal_single_rows() {
         tokenizer: None,
         dtype: Some(kvq::cli::args::DTypeArg::F32),
         dequantize: true,
+        keep_quantized: false,
     };
     let m = load(&args, &Device::Cpu).unwrap();
     let model = &m.model;

@@ -189,6 +189,7 @@ fn default_shape_memory_matches_the_issue() {
             seed: 0,
             warmup: 1,
             repeats: 5,
+            rotated: false,
         };
         cfg.validate().unwrap();
         let (b8, b4) = (
@@ -202,4 +203,62 @@ fn default_shape_memory_matches_the_issue() {
         let ratio = |b: u64| format!("{:.2}", cfg.dense_bytes() as f64 / b as f64);
         assert_eq!((ratio(b8), ratio(b4)), (c8.into(), c4.into()));
     }
+}
+
+/// `--rotated` adds a rotated row per width whose output is as close to the dense output as
+/// the plain row's (random N(0,1) data has no outliers, so rotation neither helps nor hurts
+/// much; a broken rotation would be far off).
+#[test]
+fn rotated_attention_rows() {
+    let mut args = SMALL.to_vec();
+    args.extend(["--json", "--dtype", "f32", "--bits", "8,4", "--rotated"]);
+    let out = kvq(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["attention"].as_array().unwrap();
+    let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(
+        modes,
+        [
+            "f32 (dense)",
+            "8-bit",
+            "8-bit rotated",
+            "4-bit",
+            "4-bit rotated"
+        ]
+    );
+    let err = |i: usize| rows[i]["max_abs_error"].as_f64().unwrap();
+    assert!(
+        err(2) < 3.0 * err(1) + 1e-4,
+        "8-bit rotated {} vs {}",
+        err(2),
+        err(1)
+    );
+    assert!(
+        err(4) < 3.0 * err(3) + 1e-3,
+        "4-bit rotated {} vs {}",
+        err(4),
+        err(3)
+    );
+    assert!(err(4) > 0.0 && err(2) > 0.0);
+
+    let out = kvq(&[
+        "--layers",
+        "1",
+        "--seq-len",
+        "32",
+        "--heads",
+        "2",
+        "--head-dim",
+        "96",
+        "--group-size",
+        "32",
+        "--rotated",
+    ]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && e.contains("power-of-two"), "{e}");
 }

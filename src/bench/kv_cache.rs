@@ -17,6 +17,7 @@
 use crate::kv::decode::decode_attention;
 use crate::kv::layer::{KvFormat, LayerKv};
 use crate::kv::quant::{self, QuantFormat, Quantized};
+use crate::kv::rotation::{Rotation, DEFAULT_SEED};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -47,6 +48,9 @@ pub struct BenchConfig {
     pub seed: u64,
     pub warmup: usize,
     pub repeats: usize,
+    /// Also time the rotated scheme in the attention table (its query and output rotations
+    /// included in the time).
+    pub rotated: bool,
 }
 
 fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -88,6 +92,9 @@ impl BenchConfig {
         fmts[0]
             .check_dim(self.head_dim)
             .context("--head-dim must be a multiple of --group-size")?;
+        if self.rotated {
+            Rotation::check(self.head_dim).map_err(|e| anyhow::anyhow!("--rotated: {e}"))?;
+        }
         Ok(fmts)
     }
 
@@ -457,19 +464,38 @@ fn attention_rows(
         KvFormat::Dense(cfg.dtype),
     )];
     for f in fmts {
-        modes.push((
-            format!("{}-bit", f.bits()),
-            Some(f.bits()),
-            KvFormat::Affine {
-                fmt: *f,
-                scale_dtype: cfg.dtype,
-            },
-        ));
+        for rotated in [false, true] {
+            if rotated && !cfg.rotated {
+                continue;
+            }
+            modes.push((
+                format!("{}-bit{}", f.bits(), if rotated { " rotated" } else { "" }),
+                Some(f.bits()),
+                KvFormat::Affine {
+                    fmt: *f,
+                    scale_dtype: cfg.dtype,
+                    rotated,
+                },
+            ));
+        }
     }
+    let rotation = if cfg.rotated {
+        Some(Rotation::new(d, DEFAULT_SEED, device)?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     let mut dense: Option<(Tensor, f64)> = None;
     for (mode, bits, format) in modes {
         let pool = LayerKv::zeros(format, slots, width, device)?;
+        let rot = rotation.as_ref().filter(|_| format.is_rotated());
+        let stored = |x: &Tensor| -> Result<Tensor> {
+            let x = x.to_device(device)?;
+            Ok(match rot {
+                Some(r) => r.rotate(&x)?,
+                None => x,
+            })
+        };
         // Write in slices so the device never holds a second full f32 copy.
         let step = (1 << 24) / width.max(1);
         let mut first = 0;
@@ -477,8 +503,8 @@ fn attention_rows(
             let n = step.min(slots - first);
             pool.write_run(
                 first,
-                &k.narrow(0, first, n)?.to_device(device)?,
-                &v.narrow(0, first, n)?.to_device(device)?,
+                &stored(&k.narrow(0, first, n)?)?,
+                &stored(&v.narrow(0, first, n)?)?,
             )?;
             first += n;
         }
@@ -489,9 +515,19 @@ fn attention_rows(
             progress,
             &format!("attention {mode}, {len} tokens"),
             || {
-                out = Some(decode_attention(
-                    &q, &pool, &tables, &starts, &lens, bs, kvh, scale,
-                )?);
+                out = Some(match rot {
+                    Some(r) => r.unrotate(&decode_attention(
+                        &r.rotate(&q)?,
+                        &pool,
+                        &tables,
+                        &starts,
+                        &lens,
+                        bs,
+                        kvh,
+                        scale,
+                    )?)?,
+                    None => decode_attention(&q, &pool, &tables, &starts, &lens, bs, kvh, scale)?,
+                });
                 Ok(())
             },
         )?;

@@ -121,10 +121,17 @@ pub struct ModelArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
 
-    /// Load GGUF weights as dense --dtype tensors instead of keeping them quantized
-    /// (slower; used for exact checks against float references).
-    #[arg(long)]
+    /// Load GGUF weights as dense --dtype tensors instead of keeping them quantized (exact
+    /// float math, as the transformers references use). On the CPU this is also the default
+    /// for models whose weight types candle has no SIMD kernel for (Q4_1, Q5_0, Q5_1) when the
+    /// dense copy fits in half the available memory: dense matmuls are several times faster.
+    #[arg(long, conflicts_with = "keep_quantized")]
     pub dequantize: bool,
+
+    /// Keep GGUF weights quantized (candle's QMatMul, activations rounded to 8-bit blocks)
+    /// even where the CPU default would dequantize them.
+    #[arg(long)]
+    pub keep_quantized: bool,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,6 +236,30 @@ pub struct KvArgs {
     /// Tokens per KV cache block (the paging unit; memory is allocated a block at a time).
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub kv_block_size: usize,
+
+    /// How quantized K/V are formed. `rotated`: each head vector is rotated by a seeded
+    /// randomized Hadamard transform before affine quantization (spreads outlier channels,
+    /// roughly a third of plain affine's KL divergence at 4 bits; queries and outputs are
+    /// rotated to match; needs a power-of-two head_dim). `affine`: plain MLX-compatible affine
+    /// groups. Default: rotated where head_dim is a power of two, else affine. Needs --kv-bits.
+    #[arg(long, value_enum, value_name = "SCHEME")]
+    pub kv_quant_scheme: Option<QuantScheme>,
+}
+
+/// `--kv-quant-scheme`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum QuantScheme {
+    Affine,
+    Rotated,
+}
+
+impl QuantScheme {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantScheme::Affine => "affine",
+            QuantScheme::Rotated => "rotated",
+        }
+    }
 }
 
 impl KvArgs {
@@ -245,6 +276,7 @@ impl KvArgs {
                 (self.kv_group_size.is_some(), "--kv-group-size"),
                 (self.quantized_kv_start > 0, "--quantized-kv-start"),
                 (self.kv_dense_layers.is_some(), "--kv-dense-layers"),
+                (self.kv_quant_scheme.is_some(), "--kv-quant-scheme"),
             ] {
                 if set {
                     bail!("{flag} only applies to a quantized cache: add --kv-bits");
@@ -256,6 +288,17 @@ impl KvArgs {
             bail!("--max-kv-size must be at least 1");
         }
         Ok(())
+    }
+
+    /// The scheme for a model with this head_dim: --kv-quant-scheme, else rotated where the
+    /// Hadamard transform applies.
+    pub fn scheme_for(&self, head_dim: usize) -> QuantScheme {
+        self.kv_quant_scheme
+            .unwrap_or(if head_dim.is_power_of_two() {
+                QuantScheme::Rotated
+            } else {
+                QuantScheme::Affine
+            })
     }
 
     fn quant_format(&self) -> Result<Option<crate::kv::quant::QuantFormat>> {
@@ -338,12 +381,18 @@ impl KvArgs {
                     c.head_dim
                 )
             })?;
+            let rotated = self.scheme_for(c.head_dim) == QuantScheme::Rotated;
+            if rotated {
+                crate::kv::rotation::Rotation::check(c.head_dim)
+                    .map_err(|e| anyhow::anyhow!("--kv-quant-scheme rotated: {e}; use affine"))?;
+            }
             let dense = self.dense_layers(c.num_layers)?;
             for (l, f) in cfg.formats.iter_mut().enumerate() {
                 if !dense.contains(&l) {
                     *f = KvFormat::Affine {
                         fmt,
                         scale_dtype: dtype,
+                        rotated,
                     };
                 }
             }

@@ -36,6 +36,11 @@ pub struct BenchKvCacheArgs {
     /// Skip the decode-attention measurement.
     #[arg(long)]
     pub no_attention: bool,
+    /// Also measure the rotated scheme (randomized Hadamard, as `--kv-quant-scheme rotated`)
+    /// in the attention table: query rotation and output un-rotation included in its time.
+    /// Needs a power-of-two --head-dim.
+    #[arg(long)]
+    pub rotated: bool,
     /// KV heads.
     #[arg(long, default_value_t = 32)]
     pub heads: usize,
@@ -138,6 +143,7 @@ pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
         seed: args.seed,
         warmup: args.warmup,
         repeats: args.repeats,
+        rotated: args.rotated,
     };
     cfg.validate()?;
     let device = args.device.open()?;

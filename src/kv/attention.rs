@@ -3,7 +3,8 @@
 //! Sequences are ragged: each has its own length and positions, so each is attended on its own
 //! (no padding, no shared offset). Grouped-query attention folds the query heads that share a KV
 //! head into the row dimension of one matmul, so K/V are never repeated per query head. Scores,
-//! mask and softmax are computed in f32 whatever the cache dtype.
+//! mask and softmax are computed in f32 whatever the cache dtype. Layers stored rotated
+//! (`kv::rotation`) attend in the rotated space: the query is rotated in, the output back.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -90,8 +91,12 @@ pub fn paged_attention(
     let cfg = cache.config();
     let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
     for g in decode {
-        let qg = q.index_select(&g.rows, 0)?;
-        let o = decode_attention(
+        let rot = cache.rotation(layer, g.main);
+        let mut qg = q.index_select(&g.rows, 0)?;
+        if let Some(r) = rot {
+            qg = r.rotate(&qg)?;
+        }
+        let mut o = decode_attention(
             &qg,
             cache.layer_storage(layer, g.main),
             &g.tables,
@@ -101,6 +106,9 @@ pub fn paged_attention(
             cfg.num_kv_heads,
             scale as f32,
         )?;
+        if let Some(r) = rot {
+            o = r.unrotate(&o)?;
+        }
         if g.members.len() == batch.len() {
             return Ok(o); // every sequence decodes, in batch order
         }
@@ -116,9 +124,25 @@ pub fn paged_attention(
             .gather(layer, s.seq, &s.slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
-        outs[i] = Some(attend_one(
-            &qs, &k, &v, s.start, s.kstart, cfg.window, scale,
-        )?);
+        // Rotated rows: attend in the rotated space, then rotate the output back.
+        let rot = cache
+            .in_main_pool(s.seq)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+            .then(|| cache.rotation(layer, true))
+            .flatten();
+        let o = match rot {
+            Some(r) => r.unrotate(&attend_one(
+                &r.rotate(&qs)?,
+                &k,
+                &v,
+                s.start,
+                s.kstart,
+                cfg.window,
+                scale,
+            )?)?,
+            None => attend_one(&qs, &k, &v, s.start, s.kstart, cfg.window, scale)?,
+        };
+        outs[i] = Some(o);
     }
     let outs: Vec<Tensor> = outs.into_iter().flatten().collect();
     Tensor::cat(&outs, 0)
@@ -273,6 +297,79 @@ mod tests {
                 err < 1e-5,
                 "n={n} h={h} kvh={kvh} start={start}: max err {err}"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod rotated_tests {
+    use super::*;
+    use crate::kv::cache::CacheConfig;
+    use crate::kv::layer::KvFormat;
+    use crate::kv::quant::QuantFormat;
+    use candle_core::Device;
+
+    /// A cache whose one layer stores 8-bit rotated rows, holding `len` random positions of
+    /// sequence 0, plus the rows as written (unrotated, `[len, KVH, D]`).
+    fn filled(len: usize, kvh: usize, d: usize) -> (PagedKvCache, Tensor, Tensor) {
+        let dev = Device::Cpu;
+        let mut cfg = CacheConfig::dense(1, kvh, d, 4, 64, DType::F32);
+        cfg.formats[0] = KvFormat::Affine {
+            fmt: QuantFormat::new(8, 32).unwrap(),
+            scale_dtype: DType::F32,
+            rotated: true,
+        };
+        let mut c = PagedKvCache::new(cfg, &dev).unwrap();
+        c.add_sequence(0).unwrap();
+        c.reserve(0, len).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (len, kvh * d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (len, kvh * d), &dev).unwrap();
+        c.write(0, 0, 0, &k, &v).unwrap();
+        c.advance(0, len).unwrap();
+        let shape = (len, kvh, d);
+        (c, k.reshape(shape).unwrap(), v.reshape(shape).unwrap())
+    }
+
+    /// Rotated storage must be invisible to attention: the output equals dense attention over
+    /// the stored rows rotated back (exact up to f32 rounding), in the decode kernel and in the
+    /// prefill path alike, and is close to attention over the original rows (8-bit error).
+    #[test]
+    fn rotated_layers_attend_like_their_unrotated_rows() {
+        let (kvh, h, d, len) = (2, 6, 64, 23);
+        let (cache, k, v) = filled(len, kvh, d);
+        let rot = cache.rotation(0, true).expect("rotated layer").clone();
+        let slots = Tensor::from_vec(cache.slots(0, 0, len).unwrap(), len, &Device::Cpu).unwrap();
+        let (kr, vr) = cache.gather(0, 0, &slots, DType::F32).unwrap();
+        let (ku, vu) = (rot.unrotate(&kr).unwrap(), rot.unrotate(&vr).unwrap());
+        let scale = 1.0 / (d as f64).sqrt();
+        for n in [1usize, 5] {
+            let start = len - n;
+            let q = Tensor::randn(0f32, 1.0, (n, h, d), &Device::Cpu).unwrap();
+            let batch = [SeqSlice {
+                seq: 0,
+                offset: 0,
+                start,
+                n,
+                kstart: 0,
+                slots: slots.clone(),
+            }];
+            let plan = plan_decode(&cache, &batch).unwrap();
+            assert_eq!(plan.len(), usize::from(n == 1));
+            let got = paged_attention(&q, &cache, 0, &batch, &plan, scale).unwrap();
+            let want = attend_one(&q, &ku, &vu, start, 0, None, scale).unwrap();
+            let exact = (&got - &want).unwrap().abs().unwrap().max_all().unwrap();
+            let exact: f32 = exact.to_scalar().unwrap();
+            assert!(exact < 1e-4, "n={n}: rotated vs unrotated-back {exact}");
+            let orig = attend_one(&q, &k, &v, start, 0, None, scale).unwrap();
+            let err: f32 = (&got - &orig)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(err < 0.05, "n={n}: 8-bit rotated error {err}");
         }
     }
 }

@@ -20,6 +20,7 @@ use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 
 use super::layer::{KvFormat, LayerKv};
+use super::rotation::{Rotation, DEFAULT_SEED};
 
 /// Identifies one sequence in the cache (the scheduler's request number).
 pub type SeqId = u64;
@@ -188,6 +189,8 @@ pub struct PagedKvCache {
     staging: Option<BlockPool>,
     seqs: HashMap<SeqId, SeqState>,
     peak_bytes: usize,
+    /// Built when any main-pool layer is rotated (one rotation serves every layer and head).
+    rotation: Option<Rotation>,
 }
 
 impl PagedKvCache {
@@ -200,6 +203,12 @@ impl PagedKvCache {
             ))
             .into());
         }
+        let rotation = if cfg.formats.iter().any(KvFormat::is_rotated) {
+            Rotation::check(cfg.head_dim).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            Some(Rotation::new(cfg.head_dim, DEFAULT_SEED, device)?)
+        } else {
+            None
+        };
         let w = cfg.width();
         let main = BlockPool::new(&cfg.formats, cfg.num_blocks, cfg.block_size, w, device)?;
         let staging = match &cfg.staging {
@@ -219,6 +228,7 @@ impl PagedKvCache {
             staging,
             seqs: HashMap::new(),
             peak_bytes: 0,
+            rotation,
         })
     }
 
@@ -327,6 +337,10 @@ impl PagedKvCache {
             for (l, dst) in self.main.layers.iter().enumerate() {
                 let (k, v) =
                     staging.layers[l].gather(&src_slots, staging_dtype(&staging.layers[l]))?;
+                let (k, v) = match self.rotation(l, true) {
+                    Some(r) => (r.rotate(&k)?, r.rotate(&v)?),
+                    None => (k, v),
+                };
                 for (b, &block) in new.iter().enumerate() {
                     let n = bs.min(s.len - b * bs);
                     dst.write_run(
@@ -383,6 +397,10 @@ impl PagedKvCache {
         let bs = self.cfg.block_size;
         let n = k.dim(0)?;
         let store = &self.pool(s.pool).layers[layer];
+        let (k, v) = match self.rotation(layer, s.pool == Pool::Main) {
+            Some(r) => (r.rotate(k)?, r.rotate(v)?),
+            None => (k.clone(), v.clone()),
+        };
         let mut done = 0;
         while done < n {
             let pos = start + done;
@@ -459,6 +477,22 @@ impl PagedKvCache {
             .iter()
             .map(|b| b.unwrap_or(0))
             .collect())
+    }
+
+    /// The rotation a layer's rows are stored in, in the main pool (`main`) or staging (never
+    /// rotated): attention rotates its queries by it and rotates its output back.
+    pub fn rotation(&self, layer: usize, main: bool) -> Option<&Rotation> {
+        if main
+            && self
+                .cfg
+                .formats
+                .get(layer)
+                .is_some_and(KvFormat::is_rotated)
+        {
+            self.rotation.as_ref()
+        } else {
+            None
+        }
     }
 
     /// One layer's storage in the main pool (`main`) or the staging pool.
@@ -662,6 +696,7 @@ mod tests {
         let quant = KvFormat::Affine {
             fmt,
             scale_dtype: DType::F32,
+            rotated: false,
         };
         let mut direct = cfg(8);
         direct.formats = vec![quant; 2];

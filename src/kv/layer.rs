@@ -14,19 +14,27 @@ use super::quant::{dequantize, quantize_into, QuantFormat, Quantized};
 pub enum KvFormat {
     /// Plain values of this dtype.
     Dense(DType),
-    /// Affine group quantization; scales and biases in `scale_dtype`.
+    /// Affine group quantization; scales and biases in `scale_dtype`. `rotated`: head vectors
+    /// are stored rotated by the cache's randomized Hadamard transform (see `kv::rotation`).
     Affine {
         fmt: QuantFormat,
         scale_dtype: DType,
+        rotated: bool,
     },
 }
 
 impl KvFormat {
+    pub fn is_rotated(&self) -> bool {
+        matches!(self, KvFormat::Affine { rotated: true, .. })
+    }
+
     /// Bytes of one row (`width` values: all KV heads of one token).
     pub fn row_bytes(&self, width: usize) -> usize {
         match self {
             KvFormat::Dense(dt) => width * dt.size_in_bytes(),
-            KvFormat::Affine { fmt, scale_dtype } => fmt.bytes_per_row(width, *scale_dtype),
+            KvFormat::Affine {
+                fmt, scale_dtype, ..
+            } => fmt.bytes_per_row(width, *scale_dtype),
         }
     }
 }
@@ -52,7 +60,9 @@ impl LayerKv {
                 k: Tensor::zeros((slots, width), dt, dev)?,
                 v: Tensor::zeros((slots, width), dt, dev)?,
             },
-            KvFormat::Affine { fmt, scale_dtype } => {
+            KvFormat::Affine {
+                fmt, scale_dtype, ..
+            } => {
                 fmt.check_dim(width)?;
                 let q = || -> Result<Quantized> {
                     Ok(Quantized {

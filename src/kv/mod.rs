@@ -6,3 +6,4 @@ pub mod cache;
 pub mod decode;
 pub mod layer;
 pub mod quant;
+pub mod rotation;

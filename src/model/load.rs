@@ -132,7 +132,9 @@ fn load_gguf(
     let cfg = ModelConfig::from_gguf(&content).with_context(|| format!("in {}", path.display()))?;
     let tokenizer = TextTokenizer::from_gguf(&content)
         .with_context(|| format!("tokenizer of {}", path.display()))?;
-    let mut w = Weights::gguf(path, &cfg, content, device, dtype, args.dequantize)?;
+    let dense = args.dequantize
+        || (!args.keep_quantized && super::weights::dense_is_better(&content, device, dtype));
+    let mut w = Weights::gguf(path, &cfg, content, device, dtype, dense)?;
     let model = Llama::load(&cfg, &mut w)?;
     Ok((model, tokenizer, path.display().to_string()))
 }
@@ -144,8 +146,8 @@ fn load_safetensors(
     dtype: DType,
     spec: &str,
 ) -> Result<(Llama, TextTokenizer, String)> {
-    if args.dequantize {
-        bail!("--dequantize applies to GGUF models only ({spec} is safetensors)");
+    if args.dequantize || args.keep_quantized {
+        bail!("--dequantize / --keep-quantized apply to GGUF models only ({spec} is safetensors)");
     }
     let cfg = ModelConfig::from_hf_file(&files.config)?;
     let mut extra: Vec<&Path> = vec![files.config.as_path()];
@@ -164,8 +166,8 @@ fn load_dummy(args: &ModelArgs, device: &Device, dtype: DType) -> Result<LoadedM
         .config
         .as_ref()
         .context("--load-format dummy needs --config config.json (the model shape)")?;
-    if args.dequantize {
-        bail!("--dequantize has no meaning with --load-format dummy");
+    if args.dequantize || args.keep_quantized {
+        bail!("--dequantize / --keep-quantized have no meaning with --load-format dummy");
     }
     let cfg = ModelConfig::from_hf_file(config)?;
     let tokenizer = match (&args.tokenizer, &args.model) {

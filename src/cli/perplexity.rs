@@ -1,0 +1,399 @@
+//! `kvq perplexity`: what a KV setting costs in quality — perplexity, and KL divergence, Δp and
+//! same-top-1 against the dense cache — on a text file, one table row per setting.
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use clap::Args;
+use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::args::{DeviceArgs, KvArgs, LoadFormat, ModelArgs, QuantScheme};
+use crate::bench::perplexity::{evaluate, Options, Report, Setting};
+use crate::model::llama::Llama;
+use crate::model::load::load;
+
+/// Perplexity of a text with one or more KV cache settings, and how far each quantized setting
+/// moves the model's predictions from the dense cache (KL divergence, Δp, same top-1).
+///
+/// The text is tokenized as is (no chat template, no BOS) and cut into non-overlapping windows
+/// of --ctx tokens over its first --max-tokens tokens. Each window is a fresh sequence fed in
+/// chunks of --chunk tokens through the same model and paged cache `generate` uses: K/V are
+/// stored (quantized) before the chunk's queries attend, so quantization error accumulates as it
+/// does while decoding. Every position but the last of a window scores the next token.
+#[derive(Args, Debug, Clone)]
+pub struct PerplexityArgs {
+    /// A UTF-8 text file (e.g. ../shared/reference/corpus.txt).
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+
+    /// Tokens per window (each window is evaluated from position 0).
+    #[arg(long, default_value_t = 2048, value_name = "N")]
+    pub ctx: usize,
+
+    /// Evaluate only the first N tokens of the text (then whole windows of --ctx).
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<usize>,
+
+    /// Tokens per forward pass inside a window.
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub chunk: usize,
+
+    /// KV settings to compare, comma-separated, the reference first: `f32`, `f16`, `bf16` (a
+    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG] (e.g. `4`, `4:rotated`,
+    /// `3:rotated:g32`; scheme and group default to --kv-quant-scheme / --kv-group-size).
+    /// Divergences are measured against the first entry; if it is not dense, a dense cache in
+    /// the compute dtype is added in front. Without --compare: the dense cache and the setting
+    /// given by --kv-bits (and the other KV flags).
+    #[arg(long, value_name = "LIST")]
+    pub compare: Option<String>,
+
+    /// One JSON object on stdout instead of the table on stderr.
+    #[arg(long)]
+    pub json: bool,
+
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    #[command(flatten)]
+    pub device: DeviceArgs,
+
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// One entry of --compare.
+#[derive(Debug, Clone, PartialEq)]
+enum Spec {
+    Dense(DType),
+    Quant {
+        bits: u32,
+        scheme: Option<QuantScheme>,
+        group: Option<usize>,
+    },
+}
+
+fn parse_specs(list: &str) -> Result<Vec<Spec>> {
+    list.split(',')
+        .map(str::trim)
+        .map(|item| {
+            parse_spec(item).with_context(|| {
+                format!(
+                    "--compare: '{item}' is not a KV setting (allowed: f32, f16, bf16, or \
+                     BITS[:affine|:rotated][:gG] with BITS in 2,3,4,5,6,8)"
+                )
+            })
+        })
+        .collect()
+}
+
+fn parse_spec(item: &str) -> Result<Spec> {
+    match item {
+        "f32" => return Ok(Spec::Dense(DType::F32)),
+        "f16" => return Ok(Spec::Dense(DType::F16)),
+        "bf16" => return Ok(Spec::Dense(DType::BF16)),
+        _ => {}
+    }
+    let mut parts = item.split(':');
+    let bits: u32 = parts.next().unwrap_or_default().parse()?;
+    let (mut scheme, mut group) = (None, None);
+    for p in parts {
+        match p {
+            "affine" if scheme.is_none() => scheme = Some(QuantScheme::Affine),
+            "rotated" if scheme.is_none() => scheme = Some(QuantScheme::Rotated),
+            g if g.starts_with('g') && group.is_none() => group = Some(g[1..].parse()?),
+            other => bail!("unexpected '{other}'"),
+        }
+    }
+    Ok(Spec::Quant {
+        bits,
+        scheme,
+        group,
+    })
+}
+
+fn dtype_name(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => "?",
+    }
+}
+
+/// The cache configuration of one spec: the KV flags with this entry's overrides.
+fn setting(spec: &Spec, base: &KvArgs, model: &Llama) -> Result<Setting> {
+    let mut kv = base.clone();
+    match spec {
+        Spec::Dense(dt) => {
+            kv.kv_bits = None;
+            kv.kv_group_size = None;
+            kv.kv_quant_scheme = None;
+            kv.kv_dense_layers = None;
+            kv.quantized_kv_start = 0;
+            let mut cfg = kv.cache_config(model, 0, 1)?;
+            for f in cfg.formats.iter_mut() {
+                *f = crate::kv::layer::KvFormat::Dense(*dt);
+            }
+            Ok(Setting {
+                label: format!("{} (dense)", dtype_name(*dt)),
+                config: cfg,
+            })
+        }
+        Spec::Quant {
+            bits,
+            scheme,
+            group,
+        } => {
+            kv.kv_bits = Some(*bits);
+            if group.is_some() {
+                kv.kv_group_size = *group;
+            }
+            if scheme.is_some() {
+                kv.kv_quant_scheme = *scheme;
+            }
+            let cfg = kv.cache_config(model, 0, 1)?;
+            let scheme = kv.scheme_for(model.config().head_dim);
+            let mut label = format!(
+                "{bits}-bit g{} {}",
+                kv.kv_group_size.unwrap_or(64),
+                scheme.name()
+            );
+            if kv.kv_dense_layers.is_some() || kv.quantized_kv_start > 0 {
+                label += " (+dense parts)";
+            }
+            Ok(Setting { label, config: cfg })
+        }
+    }
+}
+
+pub fn run(args: &PerplexityArgs) -> Result<()> {
+    args.kv.validate()?;
+    if args.model.load_format == LoadFormat::Dummy {
+        bail!(
+            "perplexity of random weights (--load-format dummy) means nothing: run it on a real \
+             model"
+        );
+    }
+    if args.ctx < 2 {
+        bail!("--ctx must be at least 2 (got {})", args.ctx);
+    }
+    if args.chunk == 0 {
+        bail!("--chunk must be at least 1");
+    }
+    if args.max_tokens.is_some_and(|m| m < args.ctx) {
+        bail!(
+            "--max-tokens {} is less than one window of --ctx {}",
+            args.max_tokens.unwrap_or(0),
+            args.ctx
+        );
+    }
+    let mut specs = match &args.compare {
+        Some(list) => parse_specs(list)?,
+        None => {
+            let mut v = vec![];
+            if let Some(bits) = args.kv.kv_bits {
+                v.push(Spec::Quant {
+                    bits,
+                    scheme: None,
+                    group: None,
+                });
+            }
+            v
+        }
+    };
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("cannot read {}", args.file.display()))?;
+    let device = args.device.open()?;
+    let loaded = load(&args.model, &device)?;
+    let model = &loaded.model;
+    if args.ctx > model.config().max_position_embeddings {
+        bail!(
+            "--ctx {} exceeds the model's context window of {}",
+            args.ctx,
+            model.config().max_position_embeddings
+        );
+    }
+    if !matches!(specs.first(), Some(Spec::Dense(_))) {
+        specs.insert(0, Spec::Dense(model.dtype()));
+    }
+    let settings = specs
+        .iter()
+        .map(|s| setting(s, &args.kv, model))
+        .collect::<Result<Vec<_>>>()?;
+
+    let mut tokens = loaded.tokenizer.encode(&text, false)?;
+    let available = tokens.len();
+    if let Some(m) = args.max_tokens {
+        tokens.truncate(m);
+    }
+    let windows = tokens.len() / args.ctx;
+    if windows == 0 {
+        bail!(
+            "{} has {available} tokens, fewer than one window of --ctx {}",
+            args.file.display(),
+            args.ctx
+        );
+    }
+    let total = windows * args.ctx * settings.len();
+    let bar = progress_bar(args.no_progress, total);
+    let started = Instant::now();
+    let mut done = 0usize;
+    let reports = evaluate(
+        model,
+        &tokens[..windows * args.ctx],
+        &settings,
+        Options {
+            ctx: args.ctx,
+            chunk: args.chunk,
+        },
+        &mut |n| {
+            done += n;
+            bar.set_position(done as u64);
+            bar.set_message(format!(
+                "{:.0} tok/s",
+                done as f64 / started.elapsed().as_secs_f64().max(1e-9)
+            ));
+        },
+    )?;
+    bar.finish_and_clear();
+    let seconds = started.elapsed().as_secs_f64();
+    if args.json {
+        let out = serde_json::json!({
+            "model": loaded.description,
+            "file": args.file.display().to_string(),
+            "ctx": args.ctx,
+            "windows": windows,
+            "tokens_evaluated": windows * args.ctx,
+            "seconds": seconds,
+            "settings": reports,
+        });
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        eprintln!("{}", table(&reports));
+        eprintln!(
+            "{}: {windows} windows x {} tokens ({} scored per setting) | {} | {:.1} s, {:.0} tok/s",
+            args.file.display(),
+            args.ctx,
+            reports[0].tokens,
+            loaded.description,
+            seconds,
+            total as f64 / seconds.max(1e-9)
+        );
+        eprintln!(
+            "KL, delta-p and same-top-1 are against the first row; PPL (all) scores every \
+             position, 2nd half only the last half of each window's targets."
+        );
+    }
+    Ok(())
+}
+
+fn progress_bar(hidden: bool, total: usize) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(
+        Some(total as u64),
+        if hidden {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        },
+    );
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} tokens | {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+fn table(reports: &[Report]) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "KV cache",
+        "bits/value",
+        "KV bytes/token",
+        "PPL (all)",
+        "PPL (2nd half)",
+        "mean KL",
+        "KL p99",
+        "KL max",
+        "mean Δp",
+        "same top-1",
+    ]);
+    for r in reports {
+        let mut row = vec![
+            r.label.clone(),
+            format!("{:.2}", r.bits_per_value),
+            r.kv_bytes_per_token.to_string(),
+            format!("{:.4} ± {:.4}", r.ppl, r.ppl_err),
+            format!("{:.4}", r.ppl_second_half),
+        ];
+        match &r.vs_reference {
+            Some(d) => row.extend([
+                format!("{:.5}", d.kl_mean),
+                format!("{:.4}", d.kl_p99),
+                format!("{:.3}", d.kl_max),
+                format!("{:+.3}%", d.delta_p_mean_pct),
+                format!("{:.2}%", d.same_top1_pct),
+            ]),
+            None => row.extend([
+                "reference".to_string(),
+                "".into(),
+                "".into(),
+                "".into(),
+                "".into(),
+            ]),
+        }
+        t.add_row(row);
+    }
+    for c in 1..10 {
+        if let Some(col) = t.column_mut(c) {
+            col.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_compare_lists() {
+        let v = parse_specs("f16, 8,4:rotated,3:rotated:g32,4:g32").unwrap();
+        assert_eq!(v[0], Spec::Dense(DType::F16));
+        assert_eq!(
+            v[1],
+            Spec::Quant {
+                bits: 8,
+                scheme: None,
+                group: None
+            }
+        );
+        assert_eq!(
+            v[3],
+            Spec::Quant {
+                bits: 3,
+                scheme: Some(QuantScheme::Rotated),
+                group: Some(32)
+            }
+        );
+        assert_eq!(
+            v[4],
+            Spec::Quant {
+                bits: 4,
+                scheme: None,
+                group: Some(32)
+            }
+        );
+        for bad in ["q4", "4:fast", "4:g", "f8", "", "4:rotated:affine"] {
+            let e = parse_specs(bad).unwrap_err();
+            assert!(format!("{e:#}").contains("--compare"), "{bad}: {e:#}");
+        }
+    }
+}

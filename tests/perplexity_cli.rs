@@ -1,0 +1,151 @@
+//! `kvq perplexity` on the default model and the reference corpus (a small slice of the
+//! protocol, so CI stays quick; the full 32 × 2048 figures are in the README).
+
+mod common;
+use common::*;
+
+fn corpus() -> String {
+    reference_dir().join("corpus.txt").display().to_string()
+}
+
+fn run_json(extra: &[&str]) -> serde_json::Value {
+    let c = corpus();
+    let mut args = vec![
+        "perplexity",
+        c.as_str(),
+        "--json",
+        "--no-progress",
+        "--dequantize",
+        "--dtype",
+        "f32",
+    ];
+    args.extend_from_slice(extra);
+    let out = kvq(&args);
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+fn f(v: &serde_json::Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+/// One run, four settings: the reference twice (divergence exactly zero), 8-bit, plain 4-bit and
+/// rotated 4-bit — quality must order as the formats do, on real text.
+#[test]
+fn divergence_orders_settings_and_is_zero_against_itself() {
+    let v = run_json(&[
+        "--ctx",
+        "256",
+        "--max-tokens",
+        "1024",
+        "--compare",
+        "f32,f32,8,4:affine,4:rotated",
+    ]);
+    assert_eq!(v["windows"], 4);
+    let s = v["settings"].as_array().unwrap();
+    assert_eq!(s.len(), 5);
+    assert!(s[0]["vs_reference"].is_null());
+    for r in s {
+        // 4 windows × 255 targets.
+        assert_eq!(r["tokens"], 1020, "{r}");
+        let ppl = f(&r["ppl"]);
+        assert!(ppl.is_finite() && ppl > 1.0 && ppl < 200.0, "{r}");
+    }
+    assert_eq!(f(&s[0]["ppl"]), f(&s[1]["ppl"]));
+    let d = |i: usize| s[i]["vs_reference"].clone();
+    assert_eq!(f(&d(1)["kl_mean"]), 0.0);
+    assert_eq!(f(&d(1)["same_top1_pct"]), 100.0);
+    let (kl8, kl4, kl4r) = (
+        f(&d(2)["kl_mean"]),
+        f(&d(3)["kl_mean"]),
+        f(&d(4)["kl_mean"]),
+    );
+    assert!(kl8 > 0.0 && kl8 < kl4, "8-bit {kl8} vs 4-bit {kl4}");
+    assert!(
+        kl4r < kl4,
+        "rotated 4-bit {kl4r} should beat plain 4-bit {kl4}"
+    );
+    assert!(f(&d(2)["same_top1_pct"]) >= f(&d(3)["same_top1_pct"]));
+    for i in 2..5 {
+        let dd = d(i);
+        assert!(
+            f(&dd["kl_max"]) >= f(&dd["kl_p99"]) && f(&dd["kl_p99"]) >= 0.0,
+            "{dd}"
+        );
+    }
+    assert!(f(&s[2]["kv_bytes_per_token"]) < f(&s[0]["kv_bytes_per_token"]));
+}
+
+/// Chunk boundaries must not matter: the cache holds the same rows whether a window arrives in
+/// one pass or in many small ones that straddle blocks. The dense cache agrees to rounding; a
+/// quantized cache only statistically — a last-bit difference in K from a matmul of another
+/// shape can flip a code, and the flip propagates through later layers (both runs are equally
+/// valid draws of the quantization noise) — so a chunk-boundary bug, not noise, must show.
+#[test]
+fn chunking_does_not_change_the_result() {
+    let a = run_json(&["--ctx", "96", "--max-tokens", "192", "--compare", "f32,4"]);
+    let b = run_json(&[
+        "--ctx",
+        "96",
+        "--max-tokens",
+        "192",
+        "--compare",
+        "f32,4",
+        "--chunk",
+        "17",
+    ]);
+    let ppl = |v: &serde_json::Value, i: usize| f(&v["settings"][i]["ppl"]);
+    let (pa, pb) = (ppl(&a, 0), ppl(&b, 0));
+    assert!((pa - pb).abs() / pa < 1e-4, "dense: {pa} vs {pb}");
+    let (qa, qb) = (ppl(&a, 1), ppl(&b, 1));
+    assert!((qa - qb).abs() / qa < 0.03, "4-bit: {qa} vs {qb}");
+}
+
+#[test]
+fn bad_input_is_refused_with_the_reason() {
+    let c = corpus();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "perplexity",
+                &c,
+                "--load-format",
+                "dummy",
+                "--config",
+                "fixtures/tiny-llama/config.json",
+            ],
+            "random weights",
+        ),
+        (vec!["perplexity", &c, "--compare", "f32,q4"], "--compare"),
+        (vec!["perplexity", &c, "--compare", "7"], "7"),
+        (vec!["perplexity", &c, "--ctx", "1"], "--ctx"),
+        (
+            vec!["perplexity", &c, "--ctx", "512", "--max-tokens", "100"],
+            "less than one window",
+        ),
+        (vec!["perplexity", "/no/such/file.txt"], "cannot read"),
+        (
+            vec!["perplexity", &c, "--kv-quant-scheme", "rotated"],
+            "--kv-bits",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = kvq(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
+/// A tiny text whose token count is below one window.
+#[test]
+fn short_text_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("short.txt");
+    std::fs::write(&p, "Just a few words.").unwrap();
+    let out = kvq(&["perplexity", p.to_str().unwrap(), "--ctx", "64"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("fewer than one window"), "{err}");
+}

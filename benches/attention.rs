@@ -53,11 +53,7 @@ fn bench(c: &mut Criterion) {
 }
 
 fn affine(bits: u32) -> KvFormat {
-    KvFormat::Affine {
-        fmt: QuantFormat::new(bits, 64).unwrap(),
-        scale_dtype: DType::F16,
-        rotated: false,
-    }
+    KvFormat::affine(QuantFormat::new(bits, 64).unwrap(), DType::F16, false)
 }
 
 criterion_group!(benches, bench);

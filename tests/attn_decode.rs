@@ -165,11 +165,7 @@ fn layouts() -> Vec<(usize, Vec<(usize, usize)>)> {
 }
 
 fn affine(bits: u32, g: usize, scale_dtype: DType) -> KvFormat {
-    KvFormat::Affine {
-        fmt: QuantFormat::new(bits, g).unwrap(),
-        scale_dtype,
-        rotated: false,
-    }
+    KvFormat::affine(QuantFormat::new(bits, g).unwrap(), scale_dtype, false)
 }
 
 #[test]
@@ -353,8 +349,9 @@ mod cuda {
         };
         let kv = match &c.kv {
             LayerKv::Dense { k, v } => LayerKv::Dense { k: mv(k), v: mv(v) },
-            LayerKv::Affine { fmt, k, v } => LayerKv::Affine {
-                fmt: *fmt,
+            LayerKv::Affine { kfmt, vfmt, k, v } => LayerKv::Affine {
+                kfmt: *kfmt,
+                vfmt: *vfmt,
                 k: mq(k),
                 v: mq(v),
             },

@@ -471,11 +471,7 @@ fn attention_rows(
             modes.push((
                 format!("{}-bit{}", f.bits(), if rotated { " rotated" } else { "" }),
                 Some(f.bits()),
-                KvFormat::Affine {
-                    fmt: *f,
-                    scale_dtype: cfg.dtype,
-                    rotated,
-                },
+                KvFormat::affine(*f, cfg.dtype, rotated),
             ));
         }
     }
@@ -536,7 +532,7 @@ fn attention_rows(
             None => (0.0, ms),
             Some((o, m)) => ((&out - o)?.abs()?.max_all()?.to_scalar::<f32>()? as f64, *m),
         };
-        let kv_bytes = kv_tokens * 2 * format.row_bytes(width) as u64;
+        let kv_bytes = kv_tokens * format.kv_row_bytes(width) as u64;
         rows.push(AttnRow {
             seq_len: len,
             mode,

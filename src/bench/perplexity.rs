@@ -266,7 +266,7 @@ fn report(s: &Setting, a: Acc, compared: bool) -> Report {
             .config
             .formats
             .iter()
-            .map(|f| f.row_bytes(w) as f64 * 8.0 / w as f64)
+            .map(|f| f.kv_row_bytes(w) as f64 * 4.0 / w as f64)
             .sum();
         bits / s.config.formats.len() as f64
     };

@@ -213,6 +213,15 @@ pub struct KvArgs {
     #[arg(long, value_name = "BITS")]
     pub kv_bits: Option<u32>,
 
+    /// Bits of the keys only (overrides --kv-bits for K). Keys are the sensitive half: on the
+    /// default model 6-bit keys with 4-bit values lose about what 8-bit does.
+    #[arg(long, value_name = "BITS")]
+    pub kv_key_bits: Option<u32>,
+
+    /// Bits of the values only (overrides --kv-bits for V).
+    #[arg(long, value_name = "BITS")]
+    pub kv_value_bits: Option<u32>,
+
     /// Values per quantization group along the head dimension (32, 64 or 128; must divide
     /// head_dim). Default 64. Needs --kv-bits.
     #[arg(long, value_name = "G")]
@@ -271,7 +280,7 @@ impl KvArgs {
                 self.kv_block_size
             );
         }
-        if self.kv_bits.is_none() {
+        if !self.is_quantized() {
             for (set, flag) in [
                 (self.kv_group_size.is_some(), "--kv-group-size"),
                 (self.quantized_kv_start > 0, "--quantized-kv-start"),
@@ -283,7 +292,7 @@ impl KvArgs {
                 }
             }
         }
-        self.quant_format()?;
+        self.quant_formats()?;
         if self.max_kv_size == Some(0) {
             bail!("--max-kv-size must be at least 1");
         }
@@ -301,14 +310,35 @@ impl KvArgs {
             })
     }
 
-    fn quant_format(&self) -> Result<Option<crate::kv::quant::QuantFormat>> {
-        let Some(bits) = self.kv_bits else {
+    /// Whether any of --kv-bits, --kv-key-bits, --kv-value-bits asks for a quantized cache.
+    pub fn is_quantized(&self) -> bool {
+        self.kv_bits.is_some() || self.kv_key_bits.is_some() || self.kv_value_bits.is_some()
+    }
+
+    /// The key and value formats, or `None` for a dense cache.
+    pub fn quant_formats(
+        &self,
+    ) -> Result<Option<(crate::kv::quant::QuantFormat, crate::kv::quant::QuantFormat)>> {
+        if !self.is_quantized() {
             return Ok(None);
-        };
+        }
         let g = self.kv_group_size.unwrap_or(64);
-        crate::kv::quant::QuantFormat::new(bits, g)
-            .map(Some)
-            .map_err(|e| anyhow::anyhow!("--kv-bits {bits} --kv-group-size {g}: {e}"))
+        let side = |own: Option<u32>, flag: &str| -> Result<crate::kv::quant::QuantFormat> {
+            let (bits, from) = match (own, self.kv_bits) {
+                (Some(b), _) => (b, flag),
+                (None, Some(b)) => (b, "--kv-bits"),
+                (None, None) => bail!(
+                    "{flag} is missing: give --kv-bits for both halves, or both \
+                     --kv-key-bits and --kv-value-bits"
+                ),
+            };
+            crate::kv::quant::QuantFormat::new(bits, g)
+                .map_err(|e| anyhow::anyhow!("{from} {bits} --kv-group-size {g}: {e}"))
+        };
+        Ok(Some((
+            side(self.kv_key_bits, "--kv-key-bits")?,
+            side(self.kv_value_bits, "--kv-value-bits")?,
+        )))
     }
 
     /// The layers `--kv-dense-layers` names, resolved against `n` layers.
@@ -371,12 +401,12 @@ impl KvArgs {
         let dtype = model.dtype();
         let bs = self.kv_block_size;
         let mut cfg = CacheConfig::dense(c.num_layers, c.num_kv_heads, c.head_dim, bs, 0, dtype);
-        if let Some(fmt) = self.quant_format()? {
-            fmt.check_dim(c.head_dim).map_err(|e| {
+        if let Some((key, value)) = self.quant_formats()? {
+            key.check_dim(c.head_dim).map_err(|e| {
                 anyhow::anyhow!(
                     "--kv-group-size {} does not fit this model's head_dim {} ({e}); \
                      allowed group sizes divide {}",
-                    fmt.group_size(),
+                    key.group_size(),
                     c.head_dim,
                     c.head_dim
                 )
@@ -390,7 +420,8 @@ impl KvArgs {
             for (l, f) in cfg.formats.iter_mut().enumerate() {
                 if !dense.contains(&l) {
                     *f = KvFormat::Affine {
-                        fmt,
+                        key,
+                        value,
                         scale_dtype: dtype,
                         rotated,
                     };

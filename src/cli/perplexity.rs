@@ -41,8 +41,9 @@ pub struct PerplexityArgs {
     pub chunk: usize,
 
     /// KV settings to compare, comma-separated, the reference first: `f32`, `f16`, `bf16` (a
-    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG] (e.g. `4`, `4:rotated`,
-    /// `3:rotated:g32`; scheme and group default to --kv-quant-scheme / --kv-group-size).
+    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG], BITS being one width or
+    /// KEY/VALUE widths (e.g. `4`, `4:affine`, `3:g32`, `6/4`; scheme and group default to
+    /// --kv-quant-scheme / --kv-group-size).
     /// Divergences are measured against the first entry; if it is not dense, a dense cache in
     /// the compute dtype is added in front. Without --compare: the dense cache and the setting
     /// given by --kv-bits (and the other KV flags).
@@ -72,7 +73,8 @@ pub struct PerplexityArgs {
 enum Spec {
     Dense(DType),
     Quant {
-        bits: u32,
+        /// Key bits and value bits.
+        bits: (u32, u32),
         scheme: Option<QuantScheme>,
         group: Option<usize>,
     },
@@ -85,7 +87,7 @@ fn parse_specs(list: &str) -> Result<Vec<Spec>> {
             parse_spec(item).with_context(|| {
                 format!(
                     "--compare: '{item}' is not a KV setting (allowed: f32, f16, bf16, or \
-                     BITS[:affine|:rotated][:gG] with BITS in 2,3,4,5,6,8)"
+                     BITS[:affine|:rotated][:gG] with BITS one of 2,3,4,5,6,8 or KEY/VALUE bits)"
                 )
             })
         })
@@ -100,7 +102,11 @@ fn parse_spec(item: &str) -> Result<Spec> {
         _ => {}
     }
     let mut parts = item.split(':');
-    let bits: u32 = parts.next().unwrap_or_default().parse()?;
+    let width = parts.next().unwrap_or_default();
+    let bits = match width.split_once('/') {
+        Some((k, v)) => (k.parse()?, v.parse()?),
+        None => (width.parse()?, width.parse()?),
+    };
     let (mut scheme, mut group) = (None, None);
     for p in parts {
         match p {
@@ -132,6 +138,8 @@ fn setting(spec: &Spec, base: &KvArgs, model: &Llama) -> Result<Setting> {
     match spec {
         Spec::Dense(dt) => {
             kv.kv_bits = None;
+            kv.kv_key_bits = None;
+            kv.kv_value_bits = None;
             kv.kv_group_size = None;
             kv.kv_quant_scheme = None;
             kv.kv_dense_layers = None;
@@ -150,7 +158,9 @@ fn setting(spec: &Spec, base: &KvArgs, model: &Llama) -> Result<Setting> {
             scheme,
             group,
         } => {
-            kv.kv_bits = Some(*bits);
+            kv.kv_bits = None;
+            kv.kv_key_bits = Some(bits.0);
+            kv.kv_value_bits = Some(bits.1);
             if group.is_some() {
                 kv.kv_group_size = *group;
             }
@@ -159,8 +169,13 @@ fn setting(spec: &Spec, base: &KvArgs, model: &Llama) -> Result<Setting> {
             }
             let cfg = kv.cache_config(model, 0, 1)?;
             let scheme = kv.scheme_for(model.config().head_dim);
+            let width = if bits.0 == bits.1 {
+                format!("{}-bit", bits.0)
+            } else {
+                format!("K{}/V{}-bit", bits.0, bits.1)
+            };
             let mut label = format!(
-                "{bits}-bit g{} {}",
+                "{width} g{} {}",
                 kv.kv_group_size.unwrap_or(64),
                 scheme.name()
             );
@@ -197,9 +212,9 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
         Some(list) => parse_specs(list)?,
         None => {
             let mut v = vec![];
-            if let Some(bits) = args.kv.kv_bits {
+            if let Some((k, val)) = args.kv.quant_formats()? {
                 v.push(Spec::Quant {
-                    bits,
+                    bits: (k.bits(), val.bits()),
                     scheme: None,
                     group: None,
                 });
@@ -365,12 +380,12 @@ mod tests {
 
     #[test]
     fn parses_compare_lists() {
-        let v = parse_specs("f16, 8,4:rotated,3:rotated:g32,4:g32").unwrap();
+        let v = parse_specs("f16, 8,4:rotated,3:rotated:g32,4:g32,6/4").unwrap();
         assert_eq!(v[0], Spec::Dense(DType::F16));
         assert_eq!(
             v[1],
             Spec::Quant {
-                bits: 8,
+                bits: (8, 8),
                 scheme: None,
                 group: None
             }
@@ -378,7 +393,7 @@ mod tests {
         assert_eq!(
             v[3],
             Spec::Quant {
-                bits: 3,
+                bits: (3, 3),
                 scheme: Some(QuantScheme::Rotated),
                 group: Some(32)
             }
@@ -386,12 +401,29 @@ mod tests {
         assert_eq!(
             v[4],
             Spec::Quant {
-                bits: 4,
+                bits: (4, 4),
                 scheme: None,
                 group: Some(32)
             }
         );
-        for bad in ["q4", "4:fast", "4:g", "f8", "", "4:rotated:affine"] {
+        assert_eq!(
+            v[5],
+            Spec::Quant {
+                bits: (6, 4),
+                scheme: None,
+                group: None
+            }
+        );
+        for bad in [
+            "q4",
+            "4:fast",
+            "4:g",
+            "f8",
+            "",
+            "4:rotated:affine",
+            "6/",
+            "/4",
+        ] {
             let e = parse_specs(bad).unwrap_err();
             assert!(format!("{e:#}").contains("--compare"), "{bad}: {e:#}");
         }

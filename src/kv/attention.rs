@@ -314,11 +314,7 @@ mod rotated_tests {
     fn filled(len: usize, kvh: usize, d: usize) -> (PagedKvCache, Tensor, Tensor) {
         let dev = Device::Cpu;
         let mut cfg = CacheConfig::dense(1, kvh, d, 4, 64, DType::F32);
-        cfg.formats[0] = KvFormat::Affine {
-            fmt: QuantFormat::new(8, 32).unwrap(),
-            scale_dtype: DType::F32,
-            rotated: true,
-        };
+        cfg.formats[0] = KvFormat::affine(QuantFormat::new(8, 32).unwrap(), DType::F32, true);
         let mut c = PagedKvCache::new(cfg, &dev).unwrap();
         c.add_sequence(0).unwrap();
         c.reserve(0, len).unwrap();

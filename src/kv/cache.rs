@@ -99,7 +99,7 @@ impl CacheConfig {
     /// Bytes one token occupies in the main pool over all layers, K and V.
     pub fn bytes_per_token(&self) -> usize {
         let w = self.width();
-        self.formats.iter().map(|f| 2 * f.row_bytes(w)).sum()
+        self.formats.iter().map(|f| f.kv_row_bytes(w)).sum()
     }
 
     /// Bytes one token occupies in the staging pool.
@@ -693,11 +693,7 @@ mod tests {
     #[test]
     fn staging_promotes_to_quantized_with_the_same_codes_as_direct_writes() {
         let fmt = QuantFormat::new(4, 32).unwrap();
-        let quant = KvFormat::Affine {
-            fmt,
-            scale_dtype: DType::F32,
-            rotated: false,
-        };
+        let quant = KvFormat::affine(fmt, DType::F32, false);
         let mut direct = cfg(8);
         direct.formats = vec![quant; 2];
         let mut staged = direct.clone();

@@ -112,10 +112,11 @@ fn check_shapes(
             }
             (k.dim(0)?, k.dim(1)?)
         }
-        LayerKv::Affine { fmt, k, v } => {
-            fmt.check_dim(head_dim)
-                .map_err(|e| shape_err(e.to_string()))?;
-            for (name, t) in [("K", k), ("V", v)] {
+        LayerKv::Affine { kfmt, vfmt, k, v } => {
+            let mut widths = Vec::with_capacity(2);
+            for (name, t, fmt) in [("K", k, kfmt), ("V", v, vfmt)] {
+                fmt.check_dim(head_dim)
+                    .map_err(|e| shape_err(format!("{name}: {e}")))?;
                 let ok = t.codes.rank() == 2
                     && t.codes.dtype() == DType::U32
                     && t.scales.rank() == 2
@@ -130,21 +131,25 @@ fn check_shapes(
                         t.biases.dims(), t.biases.dtype()
                     )));
                 }
+                let w = t.scales.dim(1)? * fmt.group_size();
+                if t.codes.dim(1)? != fmt.words_per_row(w) {
+                    return Err(shape_err(format!(
+                        "quantized {name} codes have {} words per row; {fmt} needs {} for width {w}",
+                        t.codes.dim(1)?,
+                        fmt.words_per_row(w)
+                    )));
+                }
+                widths.push(w);
             }
-            if k.codes.dims() != v.codes.dims() || k.scales.dtype() != v.scales.dtype() {
+            if k.codes.dim(0)? != v.codes.dim(0)?
+                || widths[0] != widths[1]
+                || k.scales.dtype() != v.scales.dtype()
+            {
                 return Err(shape_err(
-                    "quantized K and V pools differ in shape or dtype".into(),
+                    "quantized K and V pools differ in slots, width or scale dtype".into(),
                 ));
             }
-            let w = k.scales.dim(1)? * fmt.group_size();
-            if k.codes.dim(1)? != fmt.words_per_row(w) {
-                return Err(shape_err(format!(
-                    "quantized codes have {} words per row; {fmt} needs {} for width {w}",
-                    k.codes.dim(1)?,
-                    fmt.words_per_row(w)
-                )));
-            }
-            (k.codes.dim(0)?, w)
+            (k.codes.dim(0)?, widths[0])
         }
     };
     if row_width != width {
@@ -278,7 +283,14 @@ pub fn decode_attention(
     if dims.batch == 0 {
         return q.zeros_like();
     }
+    // The fused kernels read K and V in one format; mixed key/value widths take the generic
+    // path (still only the visible rows are dequantized).
+    let mixed = matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt);
     match q.device() {
+        _ if mixed => {
+            let t = read_tables(&dims, block_tables, starts, lens)?;
+            generic::decode_checked(q, kv, &dims, &t, scale)
+        }
         Device::Cpu => {
             let t = read_tables(&dims, block_tables, starts, lens)?;
             cpu::decode(q, kv, &dims, &t, scale)

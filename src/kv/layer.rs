@@ -14,10 +14,13 @@ use super::quant::{dequantize, quantize_into, QuantFormat, Quantized};
 pub enum KvFormat {
     /// Plain values of this dtype.
     Dense(DType),
-    /// Affine group quantization; scales and biases in `scale_dtype`. `rotated`: head vectors
-    /// are stored rotated by the cache's randomized Hadamard transform (see `kv::rotation`).
+    /// Affine group quantization, K and V each in their own format (keys are the sensitive
+    /// half: softmax turns key error into weight error); scales and biases in `scale_dtype`.
+    /// `rotated`: head vectors are stored rotated by the cache's randomized Hadamard transform
+    /// (see `kv::rotation`).
     Affine {
-        fmt: QuantFormat,
+        key: QuantFormat,
+        value: QuantFormat,
         scale_dtype: DType,
         rotated: bool,
     },
@@ -28,13 +31,26 @@ impl KvFormat {
         matches!(self, KvFormat::Affine { rotated: true, .. })
     }
 
-    /// Bytes of one row (`width` values: all KV heads of one token).
-    pub fn row_bytes(&self, width: usize) -> usize {
+    /// Bytes of one token's K row plus its V row (`width` values each: all KV heads).
+    pub fn kv_row_bytes(&self, width: usize) -> usize {
         match self {
-            KvFormat::Dense(dt) => width * dt.size_in_bytes(),
+            KvFormat::Dense(dt) => 2 * width * dt.size_in_bytes(),
             KvFormat::Affine {
-                fmt, scale_dtype, ..
-            } => fmt.bytes_per_row(width, *scale_dtype),
+                key,
+                value,
+                scale_dtype,
+                ..
+            } => key.bytes_per_row(width, *scale_dtype) + value.bytes_per_row(width, *scale_dtype),
+        }
+    }
+
+    /// One format for K and V.
+    pub fn affine(fmt: QuantFormat, scale_dtype: DType, rotated: bool) -> Self {
+        KvFormat::Affine {
+            key: fmt,
+            value: fmt,
+            scale_dtype,
+            rotated,
         }
     }
 }
@@ -47,7 +63,8 @@ pub enum LayerKv {
         v: Tensor,
     },
     Affine {
-        fmt: QuantFormat,
+        kfmt: QuantFormat,
+        vfmt: QuantFormat,
         k: Quantized,
         v: Quantized,
     },
@@ -61,10 +78,14 @@ impl LayerKv {
                 v: Tensor::zeros((slots, width), dt, dev)?,
             },
             KvFormat::Affine {
-                fmt, scale_dtype, ..
+                key,
+                value,
+                scale_dtype,
+                ..
             } => {
-                fmt.check_dim(width)?;
-                let q = || -> Result<Quantized> {
+                key.check_dim(width)?;
+                value.check_dim(width)?;
+                let q = |fmt: QuantFormat| -> Result<Quantized> {
                     Ok(Quantized {
                         codes: Tensor::zeros((slots, fmt.words_per_row(width)), DType::U32, dev)?,
                         scales: Tensor::zeros(
@@ -80,9 +101,10 @@ impl LayerKv {
                     })
                 };
                 LayerKv::Affine {
-                    fmt,
-                    k: q()?,
-                    v: q()?,
+                    kfmt: key,
+                    vfmt: value,
+                    k: q(key)?,
+                    v: q(value)?,
                 }
             }
         })
@@ -96,11 +118,16 @@ impl LayerKv {
                 pk.slice_set(&k.to_dtype(pk.dtype())?.contiguous()?, 0, first)?;
                 pv.slice_set(&v.to_dtype(pv.dtype())?.contiguous()?, 0, first)
             }
-            LayerKv::Affine { fmt, k: qk, v: qv } => {
+            LayerKv::Affine {
+                kfmt,
+                vfmt,
+                k: qk,
+                v: qv,
+            } => {
                 let n = k.dim(0)?;
                 let slots = Tensor::arange(first as u32, (first + n) as u32, k.device())?;
-                quantize_into(&k.contiguous()?, *fmt, qk, &slots)?;
-                quantize_into(&v.contiguous()?, *fmt, qv, &slots)
+                quantize_into(&k.contiguous()?, *kfmt, qk, &slots)?;
+                quantize_into(&v.contiguous()?, *vfmt, qv, &slots)
             }
         }
     }
@@ -113,8 +140,10 @@ impl LayerKv {
                 k.index_select(slots, 0)?.to_dtype(dtype)?,
                 v.index_select(slots, 0)?.to_dtype(dtype)?,
             )),
-            LayerKv::Affine { fmt, k, v } => {
-                let pick = |q: &Quantized| -> Result<Tensor> {
+            LayerKv::Affine {
+                kfmt, vfmt, k, v, ..
+            } => {
+                let pick = |q: &Quantized, fmt: &QuantFormat| -> Result<Tensor> {
                     let sub = Quantized {
                         codes: q.codes.index_select(slots, 0)?,
                         scales: q.scales.index_select(slots, 0)?,
@@ -122,7 +151,7 @@ impl LayerKv {
                     };
                     dequantize(&sub, *fmt)?.to_dtype(dtype)
                 };
-                Ok((pick(k)?, pick(v)?))
+                Ok((pick(k, kfmt)?, pick(v, vfmt)?))
             }
         }
     }

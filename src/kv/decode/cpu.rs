@@ -185,7 +185,9 @@ pub(super) fn decode(
                 }
             }
         }
-        LayerKv::Affine { fmt, k, v } => {
+        LayerKv::Affine {
+            kfmt: fmt, k, v, ..
+        } => {
             let ts = [
                 &k.codes, &k.scales, &k.biases, &v.codes, &v.scales, &v.biases,
             ]

@@ -160,7 +160,9 @@ pub(super) fn decode(
                 _ => launch!(bf16),
             }
         }
-        LayerKv::Affine { fmt, k, v } => {
+        LayerKv::Affine {
+            kfmt: fmt, k, v, ..
+        } => {
             let ts6 = [
                 &k.codes, &k.scales, &k.biases, &v.codes, &v.scales, &v.biases,
             ];

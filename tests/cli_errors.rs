@@ -164,6 +164,52 @@ fn conflicting_flags() {
 }
 
 #[test]
+fn bad_kv_scheme_and_widths() {
+    fails_with(&["generate", "--kv-key-bits", "8", "hi"], "--kv-value-bits");
+    fails_with(
+        &["generate", "--kv-bits", "4", "--kv-value-bits", "7", "hi"],
+        "--kv-value-bits 7",
+    );
+    fails_with(
+        &["generate", "--kv-quant-scheme", "rotated", "hi"],
+        "--kv-bits",
+    );
+    // head_dim 96 = 192 / 2: the Hadamard transform needs a power of two.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "hidden_size": 192, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": 49152, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let dummy = [
+        "generate",
+        "--load-format",
+        "dummy",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--raw",
+        "--max-tokens",
+        "2",
+        "--kv-bits",
+        "4",
+        "--kv-group-size",
+        "32",
+    ];
+    let mut rotated = dummy.to_vec();
+    rotated.extend(["--kv-quant-scheme", "rotated", "hi"]);
+    fails_with(&rotated, "power-of-two head_dim");
+    // Without the flag such a model falls back to plain affine groups.
+    let mut plain = dummy.to_vec();
+    plain.push("hi");
+    let out = kvq(&plain);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
 fn bad_messages_file() {
     let mut f = tempfile::NamedTempFile::new().unwrap();
     f.write_all(b"{\"role\": \"user\"}").unwrap();

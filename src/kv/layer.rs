@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::quant::{dequantize, quantize_into, QuantFormat, Quantized};
+use super::quant::{dequantize, quantize_rows_into, QuantFormat, Quantized};
 
 /// The element format of a layer's blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,10 +87,8 @@ impl LayerKv {
                 pv.slice_set(&v.to_dtype(pv.dtype())?.contiguous()?, 0, first)
             }
             LayerKv::Affine { fmt, k: qk, v: qv } => {
-                let n = k.dim(0)?;
-                let slots = Tensor::arange(first as u32, (first + n) as u32, k.device())?;
-                quantize_into(&k.contiguous()?, *fmt, qk, &slots)?;
-                quantize_into(&v.contiguous()?, *fmt, qv, &slots)
+                quantize_rows_into(k, *fmt, qk, first)?;
+                quantize_rows_into(v, *fmt, qv, first)
             }
         }
     }

@@ -109,7 +109,7 @@ impl Isa {
     fn best(head_dim: usize) -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if head_dim % 16 == 0 && avx512::available() {
+            if head_dim.is_multiple_of(16) && avx512::available() {
                 return Isa::Avx512;
             }
             if avx2::available() {
@@ -334,7 +334,7 @@ pub(super) fn decode(
     t: &Tables,
     scale: f32,
 ) -> Result<Tensor> {
-    if dims.head_dim % 8 != 0 {
+    if !dims.head_dim.is_multiple_of(8) {
         return generic::decode_checked(q, kv, dims, t, scale);
     }
     decode_with(q, kv, dims, t, scale, Isa::best(dims.head_dim))

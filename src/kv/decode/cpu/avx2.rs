@@ -126,7 +126,7 @@ impl Simd for Avx2 {
             4 => {
                 let w =
                     _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.cast::<u8>().add(v / 2 * 8).cast()));
-                if v % 2 == 0 {
+                if v.is_multiple_of(2) {
                     _mm256_and_si256(w, mask)
                 } else {
                     _mm256_srli_epi32::<4>(w)

@@ -147,7 +147,7 @@ impl Simd for Avx512 {
             4 => {
                 let bytes = _mm_loadu_si128(row.cast::<u8>().add(v / 2 * 16).cast());
                 let w = _mm512_cvtepu8_epi32(bytes);
-                if v % 2 == 0 {
+                if v.is_multiple_of(2) {
                     _mm512_and_si512(w, mask)
                 } else {
                     _mm512_srli_epi32::<4>(w)

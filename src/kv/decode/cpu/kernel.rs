@@ -36,7 +36,8 @@ pub(super) trait Rows<S: Simd>: Sync {
     const INTERLEAVED: bool;
     /// Offset of `slot`'s row of this KV head in the pool's element (or word) slice.
     fn row(&self, slot: usize) -> usize;
-    /// Vector `v` (values `LANES*v..LANES*(v+1)`) of the row at `row`.
+    /// Vector `v` of the row at `row`: values `LANES*v..LANES*(v+1)`, or for interleaved rows
+    /// the values [`element`] names.
     ///
     /// Safety: `row` comes from [`Rows::row`] of a slot inside the pool,
     /// `v < head_dim / LANES`, and the CPU supports `S`.

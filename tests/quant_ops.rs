@@ -208,3 +208,41 @@ fn quantize_into_writes_only_the_named_slots() {
     );
     assert!(e.unwrap_err().to_string().contains("outside the pool"));
 }
+
+#[test]
+fn quantize_rows_into_writes_only_its_run() {
+    let fmt = QuantFormat::new(5, 64).unwrap();
+    let (slots, d) = (9usize, 128usize);
+    let pool = Quantized {
+        codes: Tensor::zeros((slots, fmt.words_per_row(d)), DType::U32, &Device::Cpu).unwrap(),
+        scales: Tensor::zeros((slots, fmt.groups_per_row(d)), DType::BF16, &Device::Cpu).unwrap(),
+        biases: Tensor::zeros((slots, fmt.groups_per_row(d)), DType::BF16, &Device::Cpu).unwrap(),
+    };
+    let x = sample(&[3, d], DType::F32, 1.0);
+    quant::quantize_rows_into(&x, fmt, &pool, 4).unwrap();
+    let want = quant::quantize(&x.to_dtype(DType::BF16).unwrap(), fmt).unwrap();
+    for i in 0..3 {
+        assert!(same(
+            &pool.codes.i(4 + i).unwrap(),
+            &want.codes.i(i).unwrap()
+        ));
+        assert!(same(
+            &pool.scales.i(4 + i).unwrap(),
+            &want.scales.i(i).unwrap()
+        ));
+        assert!(same(
+            &pool.biases.i(4 + i).unwrap(),
+            &want.biases.i(i).unwrap()
+        ));
+    }
+    for slot in [0usize, 1, 2, 3, 7, 8] {
+        assert!(
+            bits(&pool.codes.i(slot).unwrap()).iter().all(|&w| w == 0),
+            "slot {slot} touched"
+        );
+    }
+    let e = quant::quantize_rows_into(&x, fmt, &pool, 7).unwrap_err();
+    assert!(e.to_string().contains("outside the pool"), "{e}");
+    let e = quant::quantize_rows_into(&sample(&[2, 64], DType::F32, 1.0), fmt, &pool, 0);
+    assert!(e.is_err());
+}

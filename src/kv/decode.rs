@@ -2,9 +2,11 @@
 //! (DESIGN.md §6).
 //!
 //! The kernels read the pool's blocks in place through each sequence's block table; quantized
-//! blocks are never expanded to a dense copy. For one quantization group,
-//! `q·k̂ = scale·(q·codes) + bias·Σq`, and V is accumulated as `Σ p·scale·code + Σ p·bias`, so the
-//! only per-value work is unpacking a code and one multiply-add per query head. Grouped-query
+//! blocks are never expanded to a dense copy. The CUDA kernel uses, per quantization group,
+//! `q·k̂ = scale·(q·codes) + bias·Σq` and accumulates V as `Σ p·scale·code + Σ p·bias`; the CPU
+//! kernel rebuilds each vector of values in registers (`code·scale + bias`, shared by the query
+//! heads) and never stores it (`cpu` says why). Either way the per-value work is unpacking a
+//! code and one multiply-add per query head. Grouped-query
 //! attention: the `G = H / kv_heads` query heads of a KV head are handled together, so each K/V
 //! row is read once for all of them. Softmax statistics are f32 and streamed: positions are split
 //! into chunks, each chunk yields (max, sum, weighted V), and chunks are merged — which also lets

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::quant::{dequantize, quantize_into, QuantFormat, Quantized};
+use super::quant::{dequantize, quantize_rows_into, QuantFormat, Quantized};
 
 /// The element format of a layer's blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,10 +124,8 @@ impl LayerKv {
                 k: qk,
                 v: qv,
             } => {
-                let n = k.dim(0)?;
-                let slots = Tensor::arange(first as u32, (first + n) as u32, k.device())?;
-                quantize_into(&k.contiguous()?, *kfmt, qk, &slots)?;
-                quantize_into(&v.contiguous()?, *vfmt, qv, &slots)
+                quantize_rows_into(k, *kfmt, qk, first)?;
+                quantize_rows_into(v, *vfmt, qv, first)
             }
         }
     }

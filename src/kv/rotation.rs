@@ -73,7 +73,7 @@ impl Rotation {
     fn apply(&self, x: &Tensor, m: &Tensor) -> Result<Tensor> {
         let d = self.head_dim;
         let shape = x.shape().clone();
-        if shape.elem_count() % d != 0 {
+        if !shape.elem_count().is_multiple_of(d) {
             candle_core::bail!(
                 "rotation: {} values are not whole head vectors of {d}",
                 shape.elem_count()

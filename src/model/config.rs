@@ -213,7 +213,9 @@ impl ModelConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             bail!(
                 "invalid head counts: {} query heads, {} KV heads",
@@ -221,7 +223,7 @@ impl ModelConfig {
                 self.num_kv_heads
             );
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             bail!("invalid head_dim {}", self.head_dim);
         }
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {

@@ -392,7 +392,7 @@ fn is_float(t: GgmlDType) -> bool {
 fn tensor_bytes(info: &gguf_file::TensorInfo) -> Result<usize> {
     let n = info.shape.elem_count();
     let bs = info.ggml_dtype.block_size();
-    if n % bs != 0 {
+    if !n.is_multiple_of(bs) {
         bail!("{} elements do not fill {:?} blocks", n, info.ggml_dtype);
     }
     Ok(n / bs * info.ggml_dtype.type_size())
@@ -404,7 +404,7 @@ fn tensor_bytes(info: &gguf_file::TensorInfo) -> Result<usize> {
 fn unpermute_rows(q: &QTensor, heads: usize, device: &Device) -> Result<QTensor> {
     let dims = q.shape().dims().to_vec();
     let rows = dims[0];
-    if rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         bail!("cannot un-permute {rows} rows into {heads} heads");
     }
     let d = rows / heads;

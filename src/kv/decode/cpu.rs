@@ -1,76 +1,83 @@
 //! The fused CPU decode kernel.
 //!
-//! Work is split into tasks of (sequence, KV head, chunk of up to `CHUNK` positions), run with
-//! rayon; each task makes two passes over its rows — K rows to scores, then V rows weighted by
-//! `exp(score - max)` — and returns its softmax max, sum and weighted V, which are merged per
-//! (sequence, KV head) at the end. Every K/V row is read once for all `G` query heads that share
-//! it.
+//! Work is split into tasks of (sequence, position chunk, KV head), run with rayon; each task
+//! returns the softmax max, sum and weighted V of its positions for the `G` query heads of its
+//! KV head ([`kernel`] says how a task reads K and V), and the partial states of one
+//! (sequence, KV head) are merged at the end. Tasks are ordered chunk-major so that the KV heads
+//! of one chunk run back to back on a thread and share the cache lines of scales and biases
+//! (a slot's groups of all heads sit together). The chunk length adapts: long enough to amortise
+//! a task, short enough that a single long sequence still gives every thread several tasks.
 //!
-//! Quantized rows with 2, 4 or 8 bits are unpacked word-parallel: code `k` of every word of a
-//! group first, then code `k + 1`, ... — a permutation of the group's values that turns the unpack
-//! into contiguous shift/mask loops the compiler vectorizes. Dot products do not care about the
-//! order, so the query is permuted the same way once per task, and the V accumulator is permuted
-//! back at the end. 3, 5 and 6 bits (codes straddle words) are unpacked in natural order.
+//! Scratch buffers live per thread and are reused across calls; the only per-call allocations
+//! are the query copy, the partial states and the output.
 //!
-//! f16 and bf16 are widened with branch-free bit arithmetic that vectorizes.
-//!
-//! On x86-64 with AVX2 + FMA the task body is compiled a second time with those features and
-//! chosen at run time.
+//! The kernel is written once over vector operations ([`simd::Simd`]); the implementation is
+//! chosen at run time: [`avx512::Avx512`] (16 lanes) where the CPU has AVX-512 F/BW and the head
+//! dimension is a multiple of 16, else [`avx2::Avx2`] (8 lanes; AVX2 + FMA + F16C), else
+//! [`simd::Portable`]. A head dimension that is not a multiple of 8 goes to the generic path.
 
-use super::{Dims, Tables};
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod kernel;
+mod simd;
+
+use super::{generic, Dims, Tables};
 use crate::kv::layer::LayerKv;
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
+use kernel::{AffineRows, DenseRows, Rows, Scratch, Shape};
 use rayon::prelude::*;
+use simd::{Portable, Simd};
+use std::cell::RefCell;
 
-/// Positions per task: enough work to amortise a task, few enough that long contexts of a small
-/// batch still give every core several tasks.
-const CHUNK: usize = 512;
+/// Bounds of a task's length in positions.
+const MIN_CHUNK: usize = 64;
+const MAX_CHUNK: usize = 1024;
 
 /// A cache element type, read as f32.
 pub(crate) trait Elem: WithDType + Copy + Send + Sync {
-    fn load(src: &[Self], dst: &mut [f32]);
-    fn get(self) -> f32;
+    /// One value. Safety: the CPU supports `S`.
+    unsafe fn to_f32<S: Simd>(self) -> f32;
+    /// `S::LANES` consecutive values widened to f32. Safety: as [`Simd`]'s loads.
+    unsafe fn load<S: Simd>(p: *const Self) -> S::V;
 }
 
 impl Elem for f32 {
     #[inline(always)]
-    fn load(src: &[Self], dst: &mut [f32]) {
-        dst.copy_from_slice(src)
+    unsafe fn to_f32<S: Simd>(self) -> f32 {
+        self
     }
     #[inline(always)]
-    fn get(self) -> f32 {
-        self
+    unsafe fn load<S: Simd>(p: *const Self) -> S::V {
+        S::load(p)
     }
 }
 
 impl Elem for f16 {
     #[inline(always)]
-    fn load(src: &[Self], dst: &mut [f32]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = f16_bits_to_f32(s.to_bits());
-        }
+    unsafe fn to_f32<S: Simd>(self) -> f32 {
+        S::half(self.to_bits())
     }
     #[inline(always)]
-    fn get(self) -> f32 {
-        f16_bits_to_f32(self.to_bits())
+    unsafe fn load<S: Simd>(p: *const Self) -> S::V {
+        S::load_f16(p.cast())
     }
 }
 
 impl Elem for bf16 {
     #[inline(always)]
-    fn load(src: &[Self], dst: &mut [f32]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = f32::from_bits((s.to_bits() as u32) << 16);
-        }
+    unsafe fn to_f32<S: Simd>(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
     }
     #[inline(always)]
-    fn get(self) -> f32 {
-        f32::from_bits((self.to_bits() as u32) << 16)
+    unsafe fn load<S: Simd>(p: *const Self) -> S::V {
+        S::load_bf16(p.cast())
     }
 }
 
-/// Exact f16 → f32 without branches or lookups, so row conversions vectorize (half's scalar
+/// Exact f16 → f32 without branches or lookups, so conversions vectorize (half's scalar
 /// conversion is a per-element call): place exponent and mantissa in an f32 and rescale by
 /// 2^112 (exact for normals and subnormals); exponent 31 (inf / NaN) maps to f32 inf / NaN.
 #[inline(always)]
@@ -87,33 +94,42 @@ fn f16_bits_to_f32(h: u16) -> f32 {
     f32::from_bits(v | sign)
 }
 
-/// One layer's pool as plain slices.
-enum Pool<'a, T> {
-    Dense {
-        k: &'a [T],
-        v: &'a [T],
-    },
-    Affine {
-        bits: u32,
-        group: usize,
-        k: QSlices<'a, T>,
-        v: QSlices<'a, T>,
-    },
+/// Which vector implementation runs the tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
-struct QSlices<'a, T> {
-    codes: &'a [u32],
-    scales: &'a [T],
-    biases: &'a [T],
+impl Isa {
+    /// The widest implementation this CPU and head dimension allow (`head_dim % 8 == 0`).
+    fn best(head_dim: usize) -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if head_dim.is_multiple_of(16) && avx512::available() {
+                return Isa::Avx512;
+            }
+            if avx2::available() {
+                return Isa::Avx2;
+            }
+        }
+        let _ = head_dim;
+        Isa::Portable
+    }
 }
 
-struct Ctx<'a, T> {
-    pool: Pool<'a, T>,
-    /// `[B, H, D]`, already multiplied by the softmax scale.
-    q: &'a [f32],
-    dims: Dims,
-    t: &'a Tables,
-}
+/// Row views of every vector implementation (the one used is chosen at run time).
+#[cfg(target_arch = "x86_64")]
+trait AnyRows: Rows<Portable> + Rows<avx2::Avx2> + Rows<avx512::Avx512> {}
+#[cfg(target_arch = "x86_64")]
+impl<R: Rows<Portable> + Rows<avx2::Avx2> + Rows<avx512::Avx512>> AnyRows for R {}
+#[cfg(not(target_arch = "x86_64"))]
+trait AnyRows: Rows<Portable> {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<R: Rows<Portable>> AnyRows for R {}
 
 #[derive(Clone, Copy)]
 struct Task {
@@ -123,11 +139,174 @@ struct Task {
     p1: usize,
 }
 
-/// Softmax state of one task: per query head max and sum, and the weighted V (`[G, D]`).
-struct Partial {
-    m: Vec<f32>,
-    l: Vec<f32>,
-    acc: Vec<f32>,
+/// Tasks in (sequence, chunk, KV head) order, and where each sequence's tasks begin.
+struct Plan {
+    tasks: Vec<Task>,
+    /// Per sequence: index of its first task and its number of chunks.
+    seqs: Vec<(usize, usize)>,
+    /// Tasks per chunk.
+    kv_heads: usize,
+}
+
+fn plan(d: &Dims, t: &Tables) -> Plan {
+    let span = |b: usize| (t.lens[b] - t.starts[b]) as usize;
+    let rows: usize = (0..d.batch).map(span).sum::<usize>() * d.kv_heads;
+    let want = 4 * rayon::current_num_threads().max(1);
+    let chunk = rows.div_ceil(want).clamp(MIN_CHUNK, MAX_CHUNK);
+    let mut tasks = Vec::new();
+    let mut seqs = Vec::with_capacity(d.batch);
+    for b in 0..d.batch {
+        let (s, l) = (t.starts[b] as usize, t.lens[b] as usize);
+        let nc = span(b).div_ceil(chunk);
+        seqs.push((tasks.len(), nc));
+        for c in 0..nc {
+            let p0 = s + c * chunk;
+            let p1 = (p0 + chunk).min(l);
+            tasks.extend((0..d.kv_heads).map(|kh| Task { b, kh, p0, p1 }));
+        }
+    }
+    Plan {
+        tasks,
+        seqs,
+        kv_heads: d.kv_heads,
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<(Scratch, Vec<u32>)> = RefCell::default();
+}
+
+/// Runs every task of `plan` and merges the partial states into `[B, H, D]`.
+/// `views(kh)` gives the K and V rows of KV head `kh`.
+fn run<R: AnyRows>(
+    plan: &Plan,
+    q: &[f32],
+    d: &Dims,
+    t: &Tables,
+    group: usize,
+    isa: Isa,
+    views: impl Fn(usize) -> (R, R) + Sync,
+) -> Vec<f32> {
+    let (g, hd) = (d.group, d.head_dim);
+    let sh = Shape {
+        g,
+        head_dim: hd,
+        group,
+    };
+    let stride = 2 * g + g * hd;
+    let mut parts = vec![0f32; plan.tasks.len() * stride];
+    parts
+        .par_chunks_mut(stride)
+        .zip(plan.tasks.par_iter())
+        .for_each(|(out, task)| {
+            SCRATCH.with_borrow_mut(|(scratch, slots)| {
+                fill_slots(slots, d, t, task);
+                let (k, v) = views(task.kh);
+                let qh = &q[(task.b * d.heads + task.kh * g) * hd..][..g * hd];
+                // SAFETY: `read_tables` checked every slot against the pool and `decode` that
+                // the views span it; head_dim and group are multiples of the lanes (checked by
+                // `Isa::best` and the format); an ISA only after its detection.
+                unsafe {
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => task_avx512(&k, &v, qh, slots, sh, scratch, out),
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => task_avx2(&k, &v, qh, slots, sh, scratch, out),
+                        Isa::Portable => {
+                            kernel::task::<Portable, R>(&k, &v, qh, slots, sh, scratch, out)
+                        }
+                    }
+                }
+            })
+        });
+    let mut out = vec![0f32; d.batch * d.heads * hd];
+    out.par_chunks_mut(g * hd).enumerate().for_each(|(i, o)| {
+        merge(
+            plan,
+            &parts,
+            stride,
+            g,
+            hd,
+            i / d.kv_heads,
+            i % d.kv_heads,
+            o,
+        )
+    });
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn task_avx512<R: Rows<avx512::Avx512>>(
+    k: &R,
+    v: &R,
+    q: &[f32],
+    slots: &[u32],
+    sh: Shape,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) {
+    kernel::task::<avx512::Avx512, R>(k, v, q, slots, sh, scratch, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2<R: Rows<avx2::Avx2>>(
+    k: &R,
+    v: &R,
+    q: &[f32],
+    slots: &[u32],
+    sh: Shape,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) {
+    kernel::task::<avx2::Avx2, R>(k, v, q, slots, sh, scratch, out)
+}
+
+/// Pool slots of the task's positions, walking its block table.
+fn fill_slots(slots: &mut Vec<u32>, d: &Dims, t: &Tables, task: &Task) {
+    slots.clear();
+    let bs = d.block_size;
+    let table = &t.tables[task.b * d.max_blocks..][..d.max_blocks];
+    let mut p = task.p0;
+    while p < task.p1 {
+        let end = ((p / bs + 1) * bs).min(task.p1);
+        let base = table[p / bs] * bs as u32;
+        slots.extend((p % bs..p % bs + end - p).map(|i| base + i as u32));
+        p = end;
+    }
+}
+
+/// Merges the chunks of (sequence `b`, KV head `kh`) into `o` (`[G, D]`).
+#[allow(clippy::too_many_arguments)]
+fn merge(
+    plan: &Plan,
+    parts: &[f32],
+    stride: usize,
+    g: usize,
+    hd: usize,
+    b: usize,
+    kh: usize,
+    o: &mut [f32],
+) {
+    let (first, nc) = plan.seqs[b];
+    let part = |c: usize| &parts[(first + c * plan.kv_heads + kh) * stride..][..stride];
+    for j in 0..g {
+        let m = (0..nc)
+            .map(|c| part(c)[j])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let oj = &mut o[j * hd..(j + 1) * hd];
+        let mut z = 0f32;
+        for c in 0..nc {
+            let p = part(c);
+            let w = (p[j] - m).exp();
+            z += w * p[g + j];
+            for (x, a) in oj.iter_mut().zip(&p[2 * g + j * hd..][..hd]) {
+                *x += w * a;
+            }
+        }
+        oj.iter_mut().for_each(|x| *x /= z);
+    }
 }
 
 fn slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
@@ -142,6 +321,12 @@ fn slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
     Ok(&T::cpu_storage_as_slice(s)?[a..b])
 }
 
+fn pool_err(what: &str, len: usize, need: usize) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "decode_attention: {what} holds {len} elements, the pool needs {need}"
+    ))
+}
+
 pub(super) fn decode(
     q: &Tensor,
     kv: &LayerKv,
@@ -149,6 +334,22 @@ pub(super) fn decode(
     t: &Tables,
     scale: f32,
 ) -> Result<Tensor> {
+    if !dims.head_dim.is_multiple_of(8) {
+        return generic::decode_checked(q, kv, dims, t, scale);
+    }
+    decode_with(q, kv, dims, t, scale, Isa::best(dims.head_dim))
+}
+
+/// [`decode`] on a given vector implementation (`head_dim` a multiple of its lanes).
+fn decode_with(
+    q: &Tensor,
+    kv: &LayerKv,
+    dims: &Dims,
+    t: &Tables,
+    scale: f32,
+    isa: Isa,
+) -> Result<Tensor> {
+    let d = dims;
     let qv: Vec<f32> = q
         .to_dtype(DType::F32)?
         .flatten_all()?
@@ -156,31 +357,40 @@ pub(super) fn decode(
         .into_iter()
         .map(|x| x * scale)
         .collect();
+    let plan = plan(d, t);
+    let slots = d.num_blocks * d.block_size;
+    let width = d.kv_heads * d.head_dim;
     let out = match kv {
         LayerKv::Dense { k, v } => {
             let (k, v) = (k.contiguous()?, v.contiguous()?);
             let (ks, kl) = k.storage_and_layout();
             let (vs, vl) = v.storage_and_layout();
             macro_rules! dense {
-                ($t:ty) => {
-                    run::<$t>(&Ctx {
-                        pool: Pool::Dense {
-                            k: slice(&ks, kl)?,
-                            v: slice(&vs, vl)?,
-                        },
-                        q: &qv,
-                        dims: *dims,
-                        t,
+                ($t:ty) => {{
+                    let (kd, vd) = (slice::<$t>(&ks, kl)?, slice::<$t>(&vs, vl)?);
+                    for x in [kd, vd] {
+                        if x.len() < slots * width {
+                            return Err(pool_err("dense K/V", x.len(), slots * width));
+                        }
+                    }
+                    run(&plan, &qv, d, t, d.head_dim, isa, |kh| {
+                        let view = |data| DenseRows::<$t> {
+                            data,
+                            stride: width,
+                            head: kh * d.head_dim,
+                            head_len: d.head_dim,
+                        };
+                        (view(kd), view(vd))
                     })
-                };
+                }};
             }
             match k.dtype() {
                 DType::F32 => dense!(f32),
                 DType::F16 => dense!(f16),
                 DType::BF16 => dense!(bf16),
-                d => {
+                dt => {
                     return Err(candle_core::Error::Msg(format!(
-                        "decode_attention: unsupported cache dtype {d:?}"
+                        "decode_attention: unsupported cache dtype {dt:?}"
                     )))
                 }
             }
@@ -195,351 +405,75 @@ pub(super) fn decode(
             let [kc, ks, kb, vc, vs, vb] = ts;
             let (kc, ks, kb, vc, vs, vb) = (kc?, ks?, kb?, vc?, vs?, vb?);
             let sl = [&kc, &ks, &kb, &vc, &vs, &vb].map(|t| t.storage_and_layout());
+            let group = fmt.group_size();
+            let (row_words, row_groups) = (fmt.words_per_row(width), fmt.groups_per_row(width));
+            let (head_words, ng) = (fmt.words_per_row(d.head_dim), d.head_dim / group);
             macro_rules! affine {
-                ($t:ty) => {
-                    run::<$t>(&Ctx {
-                        pool: Pool::Affine {
-                            bits: fmt.bits(),
-                            group: fmt.group_size(),
-                            k: QSlices {
-                                codes: slice(&sl[0].0, sl[0].1)?,
-                                scales: slice(&sl[1].0, sl[1].1)?,
-                                biases: slice(&sl[2].0, sl[2].1)?,
-                            },
-                            v: QSlices {
-                                codes: slice(&sl[3].0, sl[3].1)?,
-                                scales: slice(&sl[4].0, sl[4].1)?,
-                                biases: slice(&sl[5].0, sl[5].1)?,
-                            },
-                        },
-                        q: &qv,
-                        dims: *dims,
-                        t,
+                ($t:ty, $b:literal) => {{
+                    let kc = slice::<u32>(&sl[0].0, sl[0].1)?;
+                    let vc = slice::<u32>(&sl[3].0, sl[3].1)?;
+                    let params = [1, 2, 4, 5].map(|i| slice::<$t>(&sl[i].0, sl[i].1));
+                    let [ks, kb, vs, vb] = params;
+                    let (ks, kb, vs, vb) = (ks?, kb?, vs?, vb?);
+                    for x in [kc, vc] {
+                        if x.len() < slots * row_words {
+                            return Err(pool_err("codes", x.len(), slots * row_words));
+                        }
+                    }
+                    for x in [ks, kb, vs, vb] {
+                        if x.len() < slots * row_groups {
+                            return Err(pool_err("scales/biases", x.len(), slots * row_groups));
+                        }
+                    }
+                    run(&plan, &qv, d, t, group, isa, |kh| {
+                        let view = |codes, scales, biases| AffineRows::<$t, $b> {
+                            codes,
+                            scales,
+                            biases,
+                            row_words,
+                            head_word: kh * head_words,
+                            head_words,
+                            row_groups,
+                            head_group: kh * ng,
+                            head_groups: ng,
+                        };
+                        (view(kc, ks, kb), view(vc, vs, vb))
                     })
+                }};
+            }
+            macro_rules! bits {
+                ($t:ty) => {
+                    match fmt.bits() {
+                        2 => affine!($t, 2),
+                        3 => affine!($t, 3),
+                        4 => affine!($t, 4),
+                        5 => affine!($t, 5),
+                        6 => affine!($t, 6),
+                        _ => affine!($t, 8),
+                    }
                 };
             }
             match ks.dtype() {
-                DType::F32 => affine!(f32),
-                DType::F16 => affine!(f16),
-                DType::BF16 => affine!(bf16),
-                d => {
+                DType::F32 => bits!(f32),
+                DType::F16 => bits!(f16),
+                DType::BF16 => bits!(bf16),
+                dt => {
                     return Err(candle_core::Error::Msg(format!(
-                        "decode_attention: unsupported scale dtype {d:?}"
+                        "decode_attention: unsupported scale dtype {dt:?}"
                     )))
                 }
             }
         }
     };
-    Tensor::from_vec(out, (dims.batch, dims.heads, dims.head_dim), &Device::Cpu)?
-        .to_dtype(q.dtype())
-}
-
-/// Splits the batch into tasks, runs them in parallel and merges their partial softmax states.
-fn run<T: Elem>(ctx: &Ctx<T>) -> Vec<f32> {
-    let d = ctx.dims;
-    let mut tasks = Vec::new();
-    for b in 0..d.batch {
-        let (s, l) = (ctx.t.starts[b] as usize, ctx.t.lens[b] as usize);
-        for kh in 0..d.kv_heads {
-            let mut p0 = s;
-            while p0 < l {
-                let p1 = (p0 + CHUNK).min(l);
-                tasks.push(Task { b, kh, p0, p1 });
-                p0 = p1;
-            }
-        }
-    }
-    let parts: Vec<Partial> = tasks.par_iter().map(|&task| run_task(ctx, task)).collect();
-    let (g, hd) = (d.group, d.head_dim);
-    let mut out = vec![0f32; d.batch * d.heads * hd];
-    let mut i = 0;
-    while i < tasks.len() {
-        let (b, kh) = (tasks[i].b, tasks[i].kh);
-        let mut e = i;
-        while e < tasks.len() && tasks[e].b == b && tasks[e].kh == kh {
-            e += 1;
-        }
-        let o = &mut out[(b * d.heads + kh * g) * hd..][..g * hd];
-        for j in 0..g {
-            let m = parts[i..e]
-                .iter()
-                .map(|p| p.m[j])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut z = 0f32;
-            let oj = &mut o[j * hd..(j + 1) * hd];
-            for p in &parts[i..e] {
-                let w = (p.m[j] - m).exp();
-                z += w * p.l[j];
-                for (x, a) in oj.iter_mut().zip(&p.acc[j * hd..(j + 1) * hd]) {
-                    *x += w * a;
-                }
-            }
-            for x in oj.iter_mut() {
-                *x /= z;
-            }
-        }
-        i = e;
-    }
-    out
-}
-
-fn run_task<T: Elem>(ctx: &Ctx<T>, task: Task) -> Partial {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features the function is compiled for.
-            return unsafe { run_task_avx2(ctx, task) };
-        }
-    }
-    task_body(ctx, task)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_task_avx2<T: Elem>(ctx: &Ctx<T>, task: Task) -> Partial {
-    task_body(ctx, task)
-}
-
-#[inline(always)]
-fn task_body<T: Elem>(ctx: &Ctx<T>, task: Task) -> Partial {
-    match &ctx.pool {
-        Pool::Dense { k, v } => dense_task(ctx, task, k, v),
-        Pool::Affine { bits, group, k, v } => match bits {
-            2 => affine_task::<T, 2>(ctx, task, *group, k, v),
-            3 => affine_task::<T, 3>(ctx, task, *group, k, v),
-            4 => affine_task::<T, 4>(ctx, task, *group, k, v),
-            5 => affine_task::<T, 5>(ctx, task, *group, k, v),
-            6 => affine_task::<T, 6>(ctx, task, *group, k, v),
-            _ => affine_task::<T, 8>(ctx, task, *group, k, v),
-        },
-    }
-}
-
-/// Slot of position `p` of sequence `b`.
-#[inline(always)]
-fn slot(ctx_t: &Tables, d: &Dims, b: usize, p: usize) -> usize {
-    ctx_t.tables[b * d.max_blocks + p / d.block_size] as usize * d.block_size + p % d.block_size
-}
-
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        let (x, y): (&[f32; 8], &[f32; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let mut s = ar.iter().zip(br).map(|(x, y)| x * y).sum::<f32>();
-    for v in acc {
-        s += v;
-    }
-    s
-}
-
-#[inline(always)]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
-    }
-}
-
-/// `e^x` for `x <= 0` to ~2e-7 relative, branch-free so the softmax loop vectorizes.
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: add/sub rounds to an integer
-    let x = x.max(-87.0);
-    let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
-    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
-}
-
-/// Turns `scores` (`[G, n]`) into `exp(score - max)` in place; returns per-head max and sum.
-#[inline(always)]
-fn softmax_rows(scores: &mut [f32], g: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut ms = vec![0f32; g];
-    let mut ls = vec![0f32; g];
-    for j in 0..g {
-        let row = &mut scores[j * n..(j + 1) * n];
-        let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let mut l = 0f32;
-        for x in row.iter_mut() {
-            *x = exp_neg(*x - m);
-            l += *x;
-        }
-        ms[j] = m;
-        ls[j] = l;
-    }
-    (ms, ls)
-}
-
-#[inline(always)]
-fn dense_task<T: Elem>(ctx: &Ctx<T>, task: Task, k: &[T], v: &[T]) -> Partial {
-    let d = &ctx.dims;
-    let (g, hd) = (d.group, d.head_dim);
-    let width = d.kv_heads * hd;
-    let n = task.p1 - task.p0;
-    let qh = &ctx.q[(task.b * d.heads + task.kh * g) * hd..][..g * hd];
-    let mut scores = vec![0f32; g * n];
-    let mut buf = vec![0f32; hd];
-    for (t, p) in (task.p0..task.p1).enumerate() {
-        let s = slot(ctx.t, d, task.b, p);
-        T::load(&k[s * width + task.kh * hd..][..hd], &mut buf);
-        for j in 0..g {
-            scores[j * n + t] = dot(&qh[j * hd..(j + 1) * hd], &buf);
-        }
-    }
-    let (m, l) = softmax_rows(&mut scores, g, n);
-    let mut acc = vec![0f32; g * hd];
-    for (t, p) in (task.p0..task.p1).enumerate() {
-        let s = slot(ctx.t, d, task.b, p);
-        T::load(&v[s * width + task.kh * hd..][..hd], &mut buf);
-        for j in 0..g {
-            axpy(scores[j * n + t], &buf, &mut acc[j * hd..(j + 1) * hd]);
-        }
-    }
-    Partial { m, l, acc }
-}
-
-/// Where value `i` of a group of `gsz` values lands after [`unpack`].
-#[inline(always)]
-fn perm<const B: u32>(i: usize, gsz: usize) -> usize {
-    if 32 % B == 0 {
-        let cpw = (32 / B) as usize;
-        let gw = gsz * B as usize / 32;
-        (i % cpw) * gw + i / cpw
-    } else {
-        i
-    }
-}
-
-/// Unpacks one head's codes (`words`: `D*B/32` words, groups of `gsz`) into `out` as f32, in
-/// the order of [`perm`].
-#[inline(always)]
-fn unpack<const B: u32>(words: &[u32], gsz: usize, out: &mut [f32]) {
-    let mask = (1u32 << B) - 1;
-    if 32 % B == 0 {
-        let cpw = (32 / B) as usize;
-        let gw = gsz * B as usize / 32;
-        for (gwords, o) in words.chunks_exact(gw).zip(out.chunks_exact_mut(gsz)) {
-            for k in 0..cpw {
-                let sh = k as u32 * B;
-                for (w, x) in gwords.iter().zip(&mut o[k * gw..(k + 1) * gw]) {
-                    *x = ((w >> sh) & mask) as i32 as f32;
-                }
-            }
-        }
-    } else {
-        for (cw, o) in words.chunks_exact(B as usize).zip(out.chunks_exact_mut(32)) {
-            for (k, x) in o.iter_mut().enumerate() {
-                let bit = k as u32 * B;
-                let (w, s) = ((bit / 32) as usize, bit % 32);
-                let mut c = cw[w] >> s;
-                if s + B > 32 {
-                    c |= cw[w + 1] << (32 - s);
-                }
-                *x = (c & mask) as i32 as f32;
-            }
-        }
-    }
-}
-
-#[inline(always)]
-fn affine_task<T: Elem, const B: u32>(
-    ctx: &Ctx<T>,
-    task: Task,
-    gsz: usize,
-    k: &QSlices<T>,
-    v: &QSlices<T>,
-) -> Partial {
-    let d = &ctx.dims;
-    let (g, hd) = (d.group, d.head_dim);
-    let ng = hd / gsz;
-    let head_words = hd * B as usize / 32;
-    let row_words = d.kv_heads * head_words;
-    let row_groups = d.kv_heads * ng;
-    let n = task.p1 - task.p0;
-    let qh = &ctx.q[(task.b * d.heads + task.kh * g) * hd..][..g * hd];
-    // The query in unpack order, and its sum per group (the bias term).
-    let mut qp = vec![0f32; g * hd];
-    let mut qsum = vec![0f32; g * ng];
-    for j in 0..g {
-        for gi in 0..ng {
-            let base = j * hd + gi * gsz;
-            for i in 0..gsz {
-                qp[base + perm::<B>(i, gsz)] = qh[base + i];
-            }
-            qsum[j * ng + gi] = qh[base..base + gsz].iter().sum();
-        }
-    }
-    let mut scores = vec![0f32; g * n];
-    let mut buf = vec![0f32; hd];
-    for (t, p) in (task.p0..task.p1).enumerate() {
-        let s = slot(ctx.t, d, task.b, p);
-        unpack::<B>(
-            &k.codes[s * row_words + task.kh * head_words..][..head_words],
-            gsz,
-            &mut buf,
-        );
-        let pg = s * row_groups + task.kh * ng;
-        let (sc, bi) = (&k.scales[pg..pg + ng], &k.biases[pg..pg + ng]);
-        for j in 0..g {
-            let mut acc = 0f32;
-            for gi in 0..ng {
-                let o = gi * gsz;
-                acc += sc[gi].get() * dot(&qp[j * hd + o..j * hd + o + gsz], &buf[o..o + gsz])
-                    + bi[gi].get() * qsum[j * ng + gi];
-            }
-            scores[j * n + t] = acc;
-        }
-    }
-    let (m, l) = softmax_rows(&mut scores, g, n);
-    let mut accp = vec![0f32; g * hd];
-    let mut accb = vec![0f32; g * ng];
-    for (t, p) in (task.p0..task.p1).enumerate() {
-        let s = slot(ctx.t, d, task.b, p);
-        unpack::<B>(
-            &v.codes[s * row_words + task.kh * head_words..][..head_words],
-            gsz,
-            &mut buf,
-        );
-        let pg = s * row_groups + task.kh * ng;
-        let (sc, bi) = (&v.scales[pg..pg + ng], &v.biases[pg..pg + ng]);
-        for gi in 0..ng {
-            let (s, b) = (sc[gi].get(), bi[gi].get());
-            let o = gi * gsz;
-            for j in 0..g {
-                let pj = scores[j * n + t];
-                axpy(
-                    pj * s,
-                    &buf[o..o + gsz],
-                    &mut accp[j * hd + o..j * hd + o + gsz],
-                );
-                accb[j * ng + gi] += pj * b;
-            }
-        }
-    }
-    let mut acc = vec![0f32; g * hd];
-    for j in 0..g {
-        for gi in 0..ng {
-            let base = j * hd + gi * gsz;
-            for i in 0..gsz {
-                acc[base + i] = accp[base + perm::<B>(i, gsz)] + accb[j * ng + gi];
-            }
-        }
-    }
-    Partial { m, l, acc }
+    Tensor::from_vec(out, (d.batch, d.heads, d.head_dim), &Device::Cpu)?.to_dtype(q.dtype())
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::{check_shapes, read_tables};
     use super::*;
+    use crate::kv::layer::KvFormat;
+    use crate::kv::quant::QuantFormat;
 
     #[test]
     fn f16_widening_is_exact_for_every_value() {
@@ -550,6 +484,79 @@ mod tests {
                 assert!(got.is_nan(), "{bits:#x}");
             } else {
                 assert_eq!(got.to_bits(), want.to_bits(), "{bits:#x}");
+            }
+        }
+    }
+
+    /// Deterministic values in [-2, 2).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x >> 8) as f32 / (1u32 << 22) as f32 - 2.0
+            })
+            .collect()
+    }
+
+    /// Every vector implementation this CPU has matches the generic reference, at head_dim 64
+    /// with GQA 3 (the default model's shape), for dense and odd/even bit widths.
+    #[test]
+    fn every_vector_code_matches_reference() {
+        let (bs, kvh, g, hd) = (16usize, 2usize, 3usize, 64usize);
+        let seqs = [(0usize, 37usize), (20, 150), (0, 1)];
+        let per_seq = 10;
+        let num_blocks = seqs.len() * per_seq;
+        // Block ids reversed per sequence so tables are not the identity.
+        let tables: Vec<u32> = (0..num_blocks as u32).rev().collect();
+        let dev = Device::Cpu;
+        let tables = Tensor::from_vec(tables, (seqs.len(), per_seq), &dev).unwrap();
+        let starts = Tensor::from_vec(seqs.map(|s| s.0 as u32).to_vec(), 3, &dev).unwrap();
+        let lens = Tensor::from_vec(seqs.map(|s| s.1 as u32).to_vec(), 3, &dev).unwrap();
+        let (slots, width) = (num_blocks * bs, kvh * hd);
+        let k = Tensor::from_vec(values(slots * width, 1), (slots, width), &dev).unwrap();
+        let v = Tensor::from_vec(values(slots * width, 2), (slots, width), &dev).unwrap();
+        let q = Tensor::from_vec(values(3 * kvh * g * hd, 3), (3, kvh * g, hd), &dev).unwrap();
+        // f32 scales: with f16 ones the reference rounds dequantized values to f16.
+        let affine = |bits, group| {
+            KvFormat::affine(QuantFormat::new(bits, group).unwrap(), DType::F32, false)
+        };
+        for format in [
+            KvFormat::Dense(DType::F16),
+            KvFormat::Dense(DType::F32),
+            affine(4, 64),
+            affine(4, 32),
+            affine(3, 32),
+            affine(2, 32),
+            affine(8, 32),
+        ] {
+            let kv = LayerKv::zeros(format, slots, width, &dev).unwrap();
+            kv.write_run(0, &k, &v).unwrap();
+            let dims = check_shapes(&q, &kv, &tables, &starts, &lens, bs, kvh).unwrap();
+            let t = read_tables(&dims, &tables, &starts, &lens).unwrap();
+            let want = generic::decode_checked(&q, &kv, &dims, &t, 0.125).unwrap();
+            let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+            let mut isas = vec![Isa::Portable];
+            #[cfg(target_arch = "x86_64")]
+            {
+                if avx2::available() {
+                    isas.push(Isa::Avx2);
+                }
+                if avx512::available() {
+                    isas.push(Isa::Avx512);
+                }
+            }
+            for isa in isas {
+                let got = decode_with(&q, &kv, &dims, &t, 0.125, isa).unwrap();
+                let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs() / b.abs().max(1e-2))
+                    .fold(0f32, f32::max);
+                assert!(err < 1e-4, "{format:?} {isa:?}: rel err {err}");
             }
         }
     }

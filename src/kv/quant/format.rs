@@ -62,7 +62,10 @@ impl QuantFormat {
     /// A row of `d` values must split into whole groups. Every allowed group size is a multiple
     /// of 32, so whole groups also make whole u32 words for any bit width.
     pub fn check_dim(&self, d: usize) -> Result<(), QuantError> {
-        if d == 0 || d % self.group_size != 0 || (d * self.bits as usize) % 32 != 0 {
+        if d == 0
+            || !d.is_multiple_of(self.group_size)
+            || !(d * self.bits as usize).is_multiple_of(32)
+        {
             return Err(QuantError::Dim {
                 dim: d,
                 group_size: self.group_size,

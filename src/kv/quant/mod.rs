@@ -16,11 +16,12 @@
 //! The fused paths therefore read the input storage directly and build the three outputs with
 //! `Tensor::from_storage` — one pass, no packed intermediate to split.
 //!
-//! Writing into a paged pool ([`quantize_into`]): the new rows are quantized into fresh
-//! (small) tensors by the fused kernel and then written into the pool's three tensors with
-//! candle's in-place `scatter_set` at the given slot ids. This keeps one kernel per backend, works
-//! on every backend, and costs one extra copy of the *compressed* bytes of the new tokens only;
-//! history is never touched or re-quantized.
+//! Writing into a paged pool: the new rows are quantized into fresh (small) tensors by the fused
+//! kernel and then copied into the pool's three tensors in place — a run of consecutive rows
+//! with `slice_set` ([`quantize_rows_into`], the cache's write path: bounds checked on the host,
+//! nothing read back from the device), arbitrary rows with `scatter_set` ([`quantize_into`]).
+//! This keeps one kernel per backend, works on every backend, and costs one extra copy of the
+//! *compressed* bytes of the new tokens only; history is never touched or re-quantized.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -198,6 +199,43 @@ pub fn quantize_into(x: &Tensor, fmt: QuantFormat, dst: &Quantized, slots: &Tens
     scatter(&dst.codes, &q.codes)?;
     scatter(&dst.scales, &q.scales)?;
     scatter(&dst.biases, &q.biases)
+}
+
+/// Quantizes `x [n, D]` into the consecutive rows `first..first + n` of a preallocated pool
+/// (layout as in [`quantize_into`]); other rows are left untouched. This is the write path of
+/// the cache (a run of tokens inside one block): the bounds are checked on the host from the
+/// numbers given, with no index tensor to build and no device read-back, and the rows are
+/// copied in place with `slice_set`.
+pub fn quantize_rows_into(
+    x: &Tensor,
+    fmt: QuantFormat,
+    dst: &Quantized,
+    first: usize,
+) -> Result<()> {
+    let op = "quantize_rows_into";
+    let (pool_rows, d) = check_quantized(dst, fmt, op)?;
+    let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
+    if dst.codes.rank() != 2 || x.rank() != 2 || x.dim(1)? != d {
+        return Err(shape_err(format!(
+            "expected x [n, {d}] and a pool of rank 2, got x {:?} and codes {:?}",
+            x.dims(),
+            dst.codes.dims()
+        )));
+    }
+    let n = x.dim(0)?;
+    if first + n > pool_rows {
+        return Err(shape_err(format!(
+            "rows {first}..{} are outside the pool of {pool_rows} rows",
+            first + n
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let q = quantize(&x.to_dtype(dst.scales.dtype())?, fmt)?;
+    dst.codes.slice_set(&q.codes, 0, first)?;
+    dst.scales.slice_set(&q.scales, 0, first)?;
+    dst.biases.slice_set(&q.biases, 0, first)
 }
 
 fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {

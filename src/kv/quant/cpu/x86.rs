@@ -260,7 +260,7 @@ pub(super) unsafe fn quantize_block<T: Lanes, const B: u32>(
     let rows = x.len() / d;
     let groups = rows * (d / group);
     assert!(
-        group % 32 == 0
+        group.is_multiple_of(32)
             && x.len() == rows * d
             && codes.len() == rows * d * b / 32
             && scales.len() == groups
@@ -370,7 +370,7 @@ pub(super) unsafe fn dequantize_block<T: Lanes, const B: u32>(
     let rows = out.len() / d;
     let groups = rows * (d / group);
     assert!(
-        group % 32 == 0
+        group.is_multiple_of(32)
             && out.len() == rows * d
             && codes.len() == rows * d * b / 32
             && scales.len() == groups

@@ -1,0 +1,248 @@
+//! AVX-512 (F + BW) implementation of the kernel's vector operations (sixteen lanes), entered
+//! only after runtime detection ([`available`]). On cores with full-width 512-bit units it does
+//! twice the multiply-adds of AVX2 per instruction, and decode attention is bound by them.
+//!
+//! Code decoders (lane order: [`element`](super::simd::element)): 8-bit codes are sixteen
+//! bytes zero-extended; 4-bit codes are sixteen bytes zero-extended, then masked (low nibbles)
+//! or shifted (high nibbles); 2-bit codes are one word broadcast and shifted per lane; 3-, 5- and 6-bit codes are the `2B`
+//! bytes at byte `2Bv`, broadcast to every 128-bit lane, byte-shuffled so each lane holds the 4
+//! bytes around its code, shifted per lane and masked.
+
+use super::simd::Simd;
+use std::arch::x86_64::*;
+
+/// Whether [`Avx512`] may be used on this CPU.
+pub(super) fn available() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512;
+
+/// pshufb control for `B`-bit codes: lane `l` takes the 4 bytes from byte `l*B/8` of a 16-byte
+/// window replicated in every 128-bit lane (bytes past the window read as 0).
+const fn shuffle_ctrl(b: u32) -> [i8; 64] {
+    let mut c = [0i8; 64];
+    let mut i = 0;
+    while i < 64 {
+        let (lane, byte) = (i / 4, i % 4);
+        let src = (lane as u32 * b / 8) as usize + byte;
+        c[i] = if src < 16 { src as i8 } else { -128 };
+        i += 1;
+    }
+    c
+}
+
+/// Per-lane right shift that brings code `l` to bit 0 after [`shuffle_ctrl`].
+const fn shuffle_shift(b: u32) -> [i32; 16] {
+    let mut s = [0i32; 16];
+    let mut l = 0;
+    while l < 16 {
+        s[l] = (l as u32 * b % 8) as i32;
+        l += 1;
+    }
+    s
+}
+
+impl Simd for Avx512 {
+    const LANES: usize = 16;
+    type V = __m512;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn zero() -> __m512 {
+        _mm512_setzero_ps()
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn splat(x: f32) -> __m512 {
+        _mm512_set1_ps(x)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn load(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        _mm512_storeu_ps(p, v)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(a, b)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn hsum(a: __m512) -> f32 {
+        let h = _mm256_add_ps(
+            _mm512_castps512_ps256(a),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
+        );
+        let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn half(h: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn hsum4(a: [__m512; 4]) -> [f32; 4] {
+        // 512-bit quarters: [a0+a2, a1+a3, b0+b2, b1+b3], then one quarter per input.
+        let pair = |x: __m512, y: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(x, y),
+                _mm512_shuffle_f32x4::<0xEE>(x, y),
+            )
+        };
+        let (x, y) = (pair(a[0], a[1]), pair(a[2], a[3]));
+        let z = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(x, y),
+            _mm512_shuffle_f32x4::<0xDD>(x, y),
+        );
+        // Within each quarter: sum of its four lanes into lane 0.
+        let z = _mm512_add_ps(z, _mm512_permute_ps::<0b01_00_11_10>(z));
+        let z = _mm512_add_ps(z, _mm512_permute_ps::<0b10_11_00_01>(z));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(
+            out.as_mut_ptr(),
+            _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, z)),
+        );
+        out
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn load_f16(p: *const u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn load_bf16(p: *const u16) -> __m512 {
+        let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn codes<const B: u32>(row: *const u32, words: usize, v: usize) -> __m512 {
+        let mask = _mm512_set1_epi32((1i32 << B) - 1);
+        let ints = match B {
+            8 => _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(4 * v).cast())),
+            4 => {
+                let bytes = _mm_loadu_si128(row.cast::<u8>().add(v / 2 * 16).cast());
+                let w = _mm512_cvtepu8_epi32(bytes);
+                if v.is_multiple_of(2) {
+                    _mm512_and_si512(w, mask)
+                } else {
+                    _mm512_srli_epi32::<4>(w)
+                }
+            }
+            2 => {
+                let w = _mm512_set1_epi32(row.add(v).read() as i32);
+                let sh =
+                    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                _mm512_and_si512(_mm512_srlv_epi32(w, sh), mask)
+            }
+            _ => {
+                let n = 2 * B as usize;
+                let at = v * n;
+                let bytes = row.cast::<u8>().add(at);
+                let x = if at + 16 <= words * 4 {
+                    _mm_loadu_si128(bytes.cast())
+                } else {
+                    // Near the row's end: read only its 2B bytes.
+                    let mut buf = [0u8; 16];
+                    std::ptr::copy_nonoverlapping(bytes, buf.as_mut_ptr(), n);
+                    _mm_loadu_si128(buf.as_ptr().cast())
+                };
+                let ctrl = const { shuffle_ctrl(B) };
+                let sh = const { shuffle_shift(B) };
+                let y = _mm512_shuffle_epi8(
+                    _mm512_broadcast_i32x4(x),
+                    _mm512_loadu_si512(ctrl.as_ptr().cast()),
+                );
+                let y = _mm512_srlv_epi32(y, _mm512_loadu_si512(sh.as_ptr().cast()));
+                _mm512_and_si512(y, mask)
+            }
+        };
+        _mm512_cvtepi32_ps(ints)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn prefetch(p: *const u8) {
+        _mm_prefetch::<_MM_HINT_T0>(p.cast())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::simd::{element, Portable};
+    use super::*;
+
+    /// Every code decoder agrees with the portable bit-stream reader on random words, for every
+    /// vector of a 128-value row (the last ones included, where 3/5/6-bit reads stop short).
+    #[test]
+    fn code_decoders_match_portable() {
+        if !available() {
+            return;
+        }
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u32
+        };
+        fn check<const B: u32>(words: &[u32]) {
+            let n = 128 * B as usize / 32;
+            for v in 0..8 {
+                // SAFETY: `available` was checked; `words` holds the row's n words.
+                let (mut got, mut want) = ([0f32; 16], [0f32; 16]);
+                unsafe {
+                    Avx512::store(got.as_mut_ptr(), Avx512::codes::<B>(words.as_ptr(), n, v));
+                    let mut all = [0f32; 128];
+                    for u in 0..16 {
+                        let p = Portable::codes::<B>(words.as_ptr(), n, u);
+                        for (l, &x) in p.iter().enumerate() {
+                            all[element(B, 8, u, l)] = x;
+                        }
+                    }
+                    for (l, w) in want.iter_mut().enumerate() {
+                        *w = all[element(B, 16, v, l)];
+                    }
+                }
+                assert_eq!(got, want, "bits {B} vector {v}");
+            }
+        }
+        for _ in 0..50 {
+            // Exactly one row's words, so an over-read would leave the allocation.
+            for bits in [2usize, 3, 4, 5, 6, 8] {
+                let words: Vec<u32> = (0..128 * bits / 32).map(|_| next()).collect();
+                match bits {
+                    2 => check::<2>(&words),
+                    3 => check::<3>(&words),
+                    4 => check::<4>(&words),
+                    5 => check::<5>(&words),
+                    6 => check::<6>(&words),
+                    _ => check::<8>(&words),
+                }
+            }
+        }
+    }
+}

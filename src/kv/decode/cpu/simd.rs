@@ -1,0 +1,117 @@
+//! The vector operations the decode kernel is written in (`LANES` f32 lanes), and their
+//! portable implementation (eight-value arrays the compiler vectorizes as it can).
+//!
+//! Every method is `unsafe`: pointers must be valid for the values read or written, and an
+//! implementation may need CPU features its caller has checked (see `avx2`, `avx512`).
+
+/// `LANES` f32 lanes plus the row decoders of every cache format.
+pub(crate) trait Simd: Copy + Send + Sync + 'static {
+    const LANES: usize;
+    type V: Copy;
+    unsafe fn zero() -> Self::V;
+    unsafe fn splat(x: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b + c`.
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn hsum(a: Self::V) -> f32;
+    /// Four horizontal sums at once (cheaper than four [`Simd::hsum`] on wide vectors).
+    #[inline(always)]
+    unsafe fn hsum4(a: [Self::V; 4]) -> [f32; 4] {
+        a.map(|x| Self::hsum(x))
+    }
+    /// One f16 value (as bits) as f32.
+    unsafe fn half(h: u16) -> f32;
+    /// `LANES` f16 values (as bits) widened to f32.
+    unsafe fn load_f16(p: *const u16) -> Self::V;
+    /// `LANES` bf16 values (as bits) widened to f32.
+    unsafe fn load_bf16(p: *const u16) -> Self::V;
+    /// Vector `v` of the codes of the LSB-first `B`-bit stream of `words` u32 words at `row`,
+    /// as f32, lane `l` holding value [`element`]`(B, LANES, v, l)`. Reads only inside the
+    /// `words` words.
+    unsafe fn codes<const B: u32>(row: *const u32, words: usize, v: usize) -> Self::V;
+    /// Asks for the cache line holding `p` (a hint: any address is fine).
+    unsafe fn prefetch(p: *const u8);
+}
+
+/// Which value of a head row lane `l` of decoded vector `v` holds. 4-bit codes are decoded
+/// byte-interleaved: `LANES` bytes (`2·LANES` values, inside one group since groups are
+/// multiples of 32) at a time, the low nibbles (even values) into one vector and the high
+/// nibbles (odd values) into the next — one widening load and one mask or shift per vector.
+/// Every other width is in natural order.
+#[inline(always)]
+pub(crate) const fn element(bits: u32, lanes: usize, v: usize, l: usize) -> usize {
+    if bits == 4 {
+        (v / 2) * 2 * lanes + 2 * l + v % 2
+    } else {
+        v * lanes + l
+    }
+}
+
+/// Any CPU: one value at a time, in loops the compiler may vectorize.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable;
+
+impl Simd for Portable {
+    const LANES: usize = 8;
+    type V = [f32; 8];
+    #[inline(always)]
+    unsafe fn zero() -> Self::V {
+        [0.0; 8]
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self::V {
+        [x; 8]
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V {
+        p.cast::<[f32; 8]>().read_unaligned()
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        p.cast::<[f32; 8]>().write_unaligned(v)
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] + b[i])
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        // Not `mul_add`: without hardware FMA that is a slow library call.
+        std::array::from_fn(|i| a[i] * b[i] + c[i])
+    }
+    #[inline(always)]
+    unsafe fn hsum(a: Self::V) -> f32 {
+        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+    }
+    #[inline(always)]
+    unsafe fn half(h: u16) -> f32 {
+        super::f16_bits_to_f32(h)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self::V {
+        let h = p.cast::<[u16; 8]>().read_unaligned();
+        std::array::from_fn(|i| super::f16_bits_to_f32(h[i]))
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self::V {
+        let h = p.cast::<[u16; 8]>().read_unaligned();
+        std::array::from_fn(|i| f32::from_bits((h[i] as u32) << 16))
+    }
+    #[inline(always)]
+    unsafe fn codes<const B: u32>(row: *const u32, _words: usize, v: usize) -> Self::V {
+        let mask = (1u32 << B) - 1;
+        std::array::from_fn(|l| {
+            let bit = element(B, 8, v, l) * B as usize;
+            let (w, s) = (bit / 32, (bit % 32) as u32);
+            let mut c = *row.add(w) >> s;
+            if s + B > 32 {
+                c |= *row.add(w + 1) << (32 - s);
+            }
+            (c & mask) as f32
+        })
+    }
+    #[inline(always)]
+    unsafe fn prefetch(_: *const u8) {}
+}

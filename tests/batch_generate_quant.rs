@@ -1,0 +1,263 @@
+//! Greedy batched generation with a quantized KV cache (`--kv-bits 8` and `4`) gives the tokens
+//! each request gets alone with the same cache setting (a max-batch-1 engine, what `kvq
+//! generate` runs): max batch 8 with small prefill chunks, so prompt chunks and decode steps of
+//! other requests share forward passes and requests join and leave mid-run. Any difference must
+//! be a near-tie (top-1/top-2 margin < 1e-3 alone, printed), identical prompts give identical
+//! outputs, and every prompt's stored K/V codes, scales and biases are bit-identical batched and
+//! alone: quantization does not depend on what else is in the batch.
+//!
+//! Smaller than `batch_generate_greedy` to keep CI time modest: the 12 reference prompts and 30
+//! random ones (every fifth a repeat), 12 new tokens each, per setting.
+
+mod common;
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use kvq::cli::args::{DTypeArg, LoadFormat, ModelArgs};
+use kvq::engine::request::{Event, Request};
+use kvq::engine::sampler::SamplingParams;
+use kvq::engine::scheduler::{Engine, EngineConfig};
+use kvq::kv::cache::{CacheConfig, PagedKvCache};
+use kvq::kv::layer::{KvFormat, LayerRows};
+use kvq::kv::quant::QuantFormat;
+use kvq::model::llama::{LogitsFor, SeqInput};
+use kvq::model::load::{load, LoadedModel};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+
+const NEW_TOKENS: usize = 12;
+
+fn quant_cache(m: &LoadedModel, bits: u32, blocks: usize) -> PagedKvCache {
+    let c = m.model.config();
+    let mut cfg = CacheConfig::dense(
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        16,
+        blocks,
+        DType::F32,
+    );
+    cfg.formats = vec![
+        KvFormat::Affine {
+            fmt: QuantFormat::new(bits, 64).unwrap(),
+            scale_dtype: DType::F32,
+        };
+        c.num_layers
+    ];
+    PagedKvCache::new(cfg, &Device::Cpu).unwrap()
+}
+
+/// Every stored value of a prompt's rows (codes as integers), flattened.
+fn stored(rows: &[LayerRows]) -> Vec<f64> {
+    let flat = |t: &Tensor| -> Vec<f64> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    rows.iter()
+        .flat_map(|r| match r {
+            LayerRows::Affine { k, v, .. } => [k, v]
+                .iter()
+                .flat_map(|q| [flat(&q.codes), flat(&q.scales), flat(&q.biases)])
+                .flatten()
+                .collect::<Vec<_>>(),
+            LayerRows::Dense { .. } => panic!("expected a quantized cache"),
+        })
+        .collect()
+}
+
+struct RunOut {
+    tokens: Vec<u32>,
+    prompt_rows: Vec<f64>,
+}
+
+/// Runs `prompts` through one engine; returns each one's tokens and stored prompt rows.
+fn run(
+    m: &LoadedModel,
+    bits: u32,
+    prompts: &[Vec<u32>],
+    cfg: EngineConfig,
+    blocks: usize,
+) -> Vec<RunOut> {
+    let max_batch = cfg.max_batch;
+    let mut engine = Engine::new(&m.model, quant_cache(m, bits, blocks), cfg).unwrap();
+    let eos = m.tokenizer.eos_token_ids().to_vec();
+    let mut ids = Vec::new();
+    for p in prompts {
+        let id = engine
+            .add(Request {
+                prompt: p.clone(),
+                params: SamplingParams::greedy(),
+                max_tokens: NEW_TOKENS,
+                eos: eos.clone(),
+            })
+            .unwrap();
+        engine.keep_prompt_kv(id);
+        ids.push(id);
+    }
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut rows: HashMap<u64, Vec<f64>> = HashMap::new();
+    let mut peak_running = 0;
+    while engine.has_work() {
+        for ev in engine.step().unwrap() {
+            if let Event::Token { id, token } = ev {
+                tokens.entry(id).or_default().push(token);
+            }
+        }
+        peak_running = peak_running.max(engine.num_running());
+        for &id in &ids {
+            if let Some(r) = engine.take_prompt_kv(id) {
+                rows.insert(id, stored(&r));
+            }
+        }
+    }
+    assert!(peak_running <= max_batch);
+    ids.iter()
+        .map(|id| RunOut {
+            tokens: tokens.remove(id).unwrap(),
+            prompt_rows: rows.remove(id).unwrap(),
+        })
+        .collect()
+}
+
+/// Top-1 minus top-2 logit after `prefix`, computed alone with the same cache setting.
+fn margin_after(m: &LoadedModel, bits: u32, prefix: &[u32]) -> f32 {
+    let mut cache = quant_cache(m, bits, prefix.len().div_ceil(16) + 1);
+    cache.add_sequence(0).unwrap();
+    cache.reserve(0, prefix.len()).unwrap();
+    let inp = [SeqInput {
+        seq: 0,
+        tokens: prefix.to_vec(),
+    }];
+    let logits = m.model.forward(&inp, &mut cache, LogitsFor::Last).unwrap();
+    let mut row: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+    row.sort_by(|a, b| b.total_cmp(a));
+    row[0] - row[1]
+}
+
+/// The reference prompts and random cuts of real text (every fifth one repeats an earlier one),
+/// interleaved so they share batches.
+fn prompts() -> Vec<Vec<u32>> {
+    let refs: Vec<Vec<u32>> = greedy_cases()
+        .iter()
+        .map(|c| ids(&c["input_ids"]))
+        .collect();
+    let corpus_path = reference_dir().join("corpus-first65536-token-ids.txt");
+    let corpus: Vec<u32> = std::fs::read_to_string(&corpus_path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", corpus_path.display()))
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut random: Vec<Vec<u32>> = Vec::new();
+    for i in 0..30 {
+        let p = if i % 5 == 4 {
+            random[rng.random_range(0..random.len())].clone()
+        } else {
+            let len = rng.random_range(1..=120);
+            let at = rng.random_range(0..corpus.len() - len);
+            corpus[at..at + len].to_vec()
+        };
+        random.push(p);
+    }
+    let mut mixed = Vec::new();
+    let mut refs = refs.into_iter();
+    for (i, r) in random.into_iter().enumerate() {
+        mixed.push(r);
+        if i % 2 == 0 {
+            mixed.extend(refs.next());
+        }
+    }
+    mixed.extend(refs);
+    mixed
+}
+
+#[test]
+fn quantized_batched_greedy_equals_alone() {
+    let args = ModelArgs {
+        model: None,
+        load_format: LoadFormat::Auto,
+        config: None,
+        tokenizer: None,
+        dtype: Some(DTypeArg::F32),
+        dequantize: true,
+    };
+    let m = load(&args, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    assert_eq!(prompts.len(), 42);
+    for bits in [8, 4] {
+        let batched = run(
+            &m,
+            bits,
+            &prompts,
+            EngineConfig {
+                max_batch: 8,
+                prefill_chunk: 32,
+            },
+            8 * 10,
+        );
+        let alone: Vec<RunOut> = prompts
+            .iter()
+            .map(|p| {
+                let blocks = (p.len() + NEW_TOKENS).div_ceil(16) + 1;
+                run(
+                    &m,
+                    bits,
+                    std::slice::from_ref(p),
+                    EngineConfig::default(),
+                    blocks,
+                )
+                .remove(0)
+            })
+            .collect();
+
+        let mut same = 0;
+        for (i, ((b, a), p)) in batched.iter().zip(&alone).zip(&prompts).enumerate() {
+            assert!(
+                b.prompt_rows == a.prompt_rows,
+                "{bits}-bit: prompt {i}: stored K/V differ batched vs alone"
+            );
+            if a.tokens == b.tokens {
+                same += 1;
+                continue;
+            }
+            let d = a
+                .tokens
+                .iter()
+                .zip(&b.tokens)
+                .position(|(x, y)| x != y)
+                .unwrap_or(a.tokens.len().min(b.tokens.len()));
+            let mut prefix = p.clone();
+            prefix.extend(&a.tokens[..d]);
+            let margin = margin_after(&m, bits, &prefix);
+            eprintln!("{bits}-bit: prompt {i}: first difference at step {d}, margin {margin:e}");
+            assert!(
+                margin < 1e-3,
+                "{bits}-bit: prompt {i} differs at step {d}, margin {margin}"
+            );
+        }
+        eprintln!(
+            "{bits}-bit: batched = alone in full for {same}/{}",
+            prompts.len()
+        );
+        assert!(
+            same + 1 >= prompts.len(),
+            "{bits}-bit: only {same} identical"
+        );
+
+        for (i, p) in prompts.iter().enumerate() {
+            for (j, q) in prompts.iter().enumerate().skip(i + 1) {
+                if p == q {
+                    assert_eq!(
+                        batched[i].tokens, batched[j].tokens,
+                        "{bits}-bit: copies {i}, {j}"
+                    );
+                    assert!(batched[i].prompt_rows == batched[j].prompt_rows);
+                }
+            }
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! needs a clear one-line answer to), and writing one after a prefill.
 //!
 //! A cache is reused up to the longest common prefix of its tokens and the new prompt (at most
-//! all but the prompt's last token); the rest of the prompt is prefilled. A cache that shares no
+//! all but the prompt's last two tokens); the rest of the prompt is prefilled. A cache that shares no
 //! leading token with the prompt is refused, as is one made by another model or stored in
 //! another format than this run would store those tokens in.
 
@@ -45,6 +45,14 @@ impl CacheFiles {
         };
         file.check_model(model)?;
         let tokens = reusable_prefix(file.tokens(), prompt);
+        if tokens == 0 && prompt.len() <= 2 {
+            bail!(
+                "the prompt has {} tokens: too short to start from prompt cache {} (its last two \
+                 tokens are always computed)",
+                prompt.len(),
+                path.display()
+            );
+        }
         if tokens == 0 {
             let first = |t: &[u32]| t.first().map_or("nothing".into(), |x| format!("token {x}"));
             bail!(

@@ -128,7 +128,8 @@ impl<'m> Engine<'m> {
     }
 
     /// Queues a request whose first `prefix.tokens` prompt tokens come from a prompt cache
-    /// (the file's tokens must equal them; at least one prompt token is left to prefill).
+    /// (the file's tokens must equal them; at least one prompt token is left to prefill, two
+    /// keep the rest on the prefill path: see `reusable_prefix`).
     pub fn add_with_prefix(&mut self, req: Request, prefix: CachedPrefix) -> Result<SeqId> {
         let n = prefix.tokens;
         if n >= req.prompt.len() {
@@ -286,7 +287,14 @@ impl<'m> Engine<'m> {
         let mut budget = self.cfg.prefill_chunk;
         for (i, r) in self.running.iter().enumerate() {
             if r.prefilled < r.req.prompt.len() && budget > 0 {
-                let n = (r.req.prompt.len() - r.prefilled).min(budget);
+                let n = prefill_take(
+                    r.req.prompt.len() - r.prefilled,
+                    budget,
+                    self.cfg.prefill_chunk,
+                );
+                if n == 0 {
+                    continue;
+                }
                 budget -= n;
                 inputs.push(SeqInput {
                     seq: r.id,
@@ -354,5 +362,61 @@ impl<'m> Engine<'m> {
             self.finish(id);
         }
         Ok(events)
+    }
+}
+
+/// Prompt tokens of a request to prefill in this step, `left` still to go and `budget` free.
+/// As many as fit, except that a prompt longer than one token never gets a one-token chunk nor
+/// is left with a one-token rest: a lone new token takes the decode kernel, whose rounding
+/// differs from the prefill path that the same token takes when the prompt runs alone, so a
+/// prompt's K/V would depend on how the batch happened to split it. With a total chunk of
+/// fewer than 3 tokens this cannot be kept (it would stall) and plain splitting applies.
+fn prefill_take(left: usize, budget: usize, chunk: usize) -> usize {
+    if left <= budget || chunk < 3 {
+        return left.min(budget);
+    }
+    let n = if left - budget == 1 {
+        budget - 1
+    } else {
+        budget
+    };
+    if n < 2 {
+        0
+    } else {
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_take;
+
+    #[test]
+    fn prompt_chunks_are_never_single_tokens() {
+        assert_eq!(prefill_take(10, 64, 64), 10);
+        assert_eq!(prefill_take(1, 64, 64), 1); // a one-token prompt
+        assert_eq!(prefill_take(100, 32, 32), 32);
+        assert_eq!(prefill_take(33, 32, 32), 31); // not 32, which would leave 1
+        assert_eq!(prefill_take(40, 1, 32), 0); // wait for a step with room
+        assert_eq!(prefill_take(3, 2, 32), 0); // 2 would leave 1, 1 is alone
+        assert_eq!(prefill_take(5, 3, 32), 3);
+        // Every split of any prompt under any budget is made of chunks of ≥ 2 tokens.
+        for len in 2..80 {
+            for first_budget in 0..40 {
+                let (mut left, mut budget) = (len, first_budget);
+                let mut steps = 0;
+                while left > 0 {
+                    let n = prefill_take(left, budget, 32);
+                    assert!(n != 1, "len {len}: a one-token chunk");
+                    left -= n;
+                    budget = 32;
+                    steps += 1;
+                    assert!(steps < 100);
+                }
+            }
+        }
+        // Tiny chunks cannot avoid it; they still make progress.
+        assert_eq!(prefill_take(3, 2, 2), 2);
+        assert_eq!(prefill_take(3, 1, 1), 1);
     }
 }

@@ -405,12 +405,14 @@ impl PromptCacheFile {
     }
 }
 
-/// How many leading tokens of a saved cache a prompt can reuse: the longest common prefix,
-/// but never the whole prompt (its last token must run through the model to give the first
-/// logits).
+/// How many leading tokens of a saved cache a prompt can reuse: the longest common prefix, but
+/// at most all but the prompt's last two tokens. The last one must run through the model to give
+/// the first logits; leaving two keeps that rest on the prefill path, which computes it exactly
+/// as a run without the cache does (one lone token would take the decode kernel, whose rounding
+/// differs).
 pub fn reusable_prefix(saved: &[u32], prompt: &[u32]) -> usize {
     let common = saved.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-    common.min(prompt.len().saturating_sub(1))
+    common.min(prompt.len().saturating_sub(2))
 }
 
 fn short(fingerprint: &str) -> &str {
@@ -681,10 +683,12 @@ mod tests {
     }
 
     #[test]
-    fn reuse_is_the_common_prefix_short_of_the_whole_prompt() {
+    fn reuse_is_the_common_prefix_short_of_the_last_two_tokens() {
         assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3, 4, 5]), 3);
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3]), 2);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3, 4]), 2);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3]), 1);
         assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 9, 3, 4]), 1);
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[7, 2]), 0);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[7, 2, 5]), 0);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2]), 0);
     }
 }

@@ -84,17 +84,7 @@ pub struct Linear {
 impl Linear {
     /// `x`: [T, in] → [T, out].
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let single_dense_row = x.dim(0)? == 1 && !matches!(self.w, QMatMul::QTensor(_));
-        let y = if single_dense_row {
-            // candle's CPU matmul takes a matrix-vector path for one row, whose sums round
-            // differently from the matrix path that every row of a larger batch takes: a
-            // sequence decoding alone would then drift from the same sequence decoding in a
-            // batch. Two copies of the row take the matrix path (same cost: the weights are
-            // read once either way).
-            self.w.forward(&Tensor::cat(&[x, x], 0)?)?.narrow(0, 0, 1)?
-        } else {
-            self.w.forward(x)?
-        };
+        let y = self.w.forward(x)?;
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),

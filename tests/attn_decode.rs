@@ -349,9 +349,16 @@ mod cuda {
         };
         let kv = match &c.kv {
             LayerKv::Dense { k, v } => LayerKv::Dense { k: mv(k), v: mv(v) },
-            LayerKv::Affine { kfmt, vfmt, k, v } => LayerKv::Affine {
+            LayerKv::Affine {
+                kfmt,
+                vfmt,
+                rotated,
+                k,
+                v,
+            } => LayerKv::Affine {
                 kfmt: *kfmt,
                 vfmt: *vfmt,
+                rotated: *rotated,
                 k: mq(k),
                 v: mq(v),
             },

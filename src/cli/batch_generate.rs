@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use super::prompt_cache::CacheFiles;
 use crate::engine::batch::{Batch, BatchOutcome, BatchRequest};
 use crate::engine::batch_io::{
     id_key, parse_bytes, parse_input, read_resume, InputFormat, InputRecord, InvalidLine,
@@ -29,7 +30,8 @@ use crate::model::load::{load, LoadedModel};
 pub struct BatchGenerateArgs {
     /// Prompt file: one prompt per line, or JSONL objects with "id", "prompt" or "messages", and
     /// optional "raw", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop" (these
-    /// override the flags for that request). `-` reads standard input.
+    /// override the flags for that request) and "prompt_cache" (a file written by `generate
+    /// --save-prompt-cache` to start from). `-` reads standard input.
     #[arg(value_name = "INPUT")]
     pub input: String,
 
@@ -122,10 +124,28 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
 
     let device = args.device.open()?;
     let loaded = load(&args.model, &device)?;
+    let model = &loaded.model;
+    let probe = args.kv.cache_config(model, 0, args.max_batch)?;
+    // The weights are fingerprinted only when some request names a prompt cache.
+    let identity = if records.iter().any(|r| r.prompt_cache.is_some()) {
+        Some(loaded.identity()?)
+    } else {
+        None
+    };
+    let mut cache_files = CacheFiles::default();
     let mut requests = Vec::new();
     for r in records {
-        match build_request(args, &loaded, &r) {
-            Ok(b) => requests.push((r.line, b)),
+        let built = build_request(args, &loaded, &r).and_then(|b| {
+            let prefix = match (&r.prompt_cache, &identity) {
+                (Some(path), Some(id)) => {
+                    Some(cache_files.prefix_for(path, &b.request.prompt, id, &probe)?)
+                }
+                _ => None,
+            };
+            Ok((b, prefix))
+        });
+        match built {
+            Ok((b, prefix)) => requests.push((r.line, b, prefix)),
             Err(e) => invalid.push(InvalidLine {
                 line: r.line,
                 id: Some(r.id.clone()),
@@ -135,14 +155,12 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     }
     refuse_invalid(args, &input_name, &invalid)?;
 
-    let model = &loaded.model;
     let window = model.config().max_position_embeddings;
     let longest = requests
         .iter()
-        .map(|(_, b)| b.request.cache_tokens(window))
+        .map(|(_, b, _)| b.request.cache_tokens(window))
         .max()
         .unwrap_or(1);
-    let probe = args.kv.cache_config(model, 0, args.max_batch)?;
     let block_size = probe.block_size;
     let block_bytes = probe.bytes_per_block();
     let blocks = budget_blocks(args, longest, block_size, block_bytes);
@@ -161,9 +179,9 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     )?;
 
     let mut batch = Batch::new(&mut engine, &loaded.tokenizer);
-    for (line, b) in requests {
+    for (line, b, prefix) in requests {
         let id = b.id.clone();
-        if let Err(e) = batch.add(b) {
+        if let Err(e) = batch.add_with_prefix(b, prefix) {
             invalid.push(InvalidLine {
                 line,
                 id: Some(id),
@@ -458,6 +476,14 @@ struct Counts {
     invalid: usize,
 }
 
+/// Prefilled prompt tokens, and those taken from prompt caches if any.
+fn prompt_tokens(s: &crate::engine::stats::Stats) -> String {
+    match s.cached_tokens {
+        0 => s.prompt_tokens.to_string(),
+        c => format!("{} (+{c} from prompt caches)", s.prompt_tokens),
+    }
+}
+
 fn print_summary(engine: &Engine, o: &BatchOutcome, c: &Counts, kv_budget: usize) {
     let s = engine.stats();
     let wall = o.wall_seconds.max(1e-9);
@@ -477,7 +503,7 @@ fn print_summary(engine: &Engine, o: &BatchOutcome, c: &Counts, kv_budget: usize
     requests += &format!(" of {}", c.input);
     let rows: Vec<(&str, String)> = vec![
         ("requests", requests),
-        ("prompt tokens", s.prompt_tokens.to_string()),
+        ("prompt tokens", prompt_tokens(s)),
         ("prefill tok/s", format!("{:.1}", s.prompt_tps())),
         ("generated tokens", s.generated_tokens.to_string()),
         ("decode tok/s", format!("{:.1}", s.decode_tps())),

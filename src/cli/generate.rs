@@ -9,6 +9,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use super::prompt_cache::{check_can_save, write as write_prompt_cache, CacheFiles};
 use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes, Stats};
@@ -41,6 +42,18 @@ pub struct GenerateArgs {
     /// instead of streaming text and statistics.
     #[arg(long)]
     pub json: bool,
+
+    /// Start from a prompt cache (written by --save-prompt-cache): the K/V of the longest
+    /// common prefix of its tokens and this prompt are loaded as stored, only the rest is
+    /// prefilled. Refused if it was made by other weights or stores another KV format.
+    #[arg(long, value_name = "FILE")]
+    pub prompt_cache: Option<PathBuf>,
+
+    /// Write the prompt's K/V, exactly as the cache stores it (quantized stays quantized), with
+    /// its token ids and the model's fingerprint to FILE (safetensors) once the prompt is
+    /// prefilled.
+    #[arg(long, value_name = "FILE")]
+    pub save_prompt_cache: Option<PathBuf>,
 
     #[command(flatten)]
     pub model: ModelArgs,
@@ -114,6 +127,8 @@ fn prompt_ids(args: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
 
 struct Output {
     prompt: Vec<u32>,
+    /// Prompt tokens taken from --prompt-cache.
+    cached: usize,
     tokens: Vec<u32>,
     text: String,
     finish: FinishReason,
@@ -132,6 +147,7 @@ impl Output {
             "finish_reason": self.finish,
             "stats": {
                 "prompt_tokens": self.stats.prompt_tokens,
+                "cached_tokens": self.cached,
                 "prompt_tps": self.stats.prompt_tps(),
                 "generated_tokens": self.stats.generated_tokens,
                 "decode_tps": self.stats.decode_tps(),
@@ -159,6 +175,21 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
     let lifetime = (prompt.len() + max_tokens).min(window);
     let cache = args.kv.build_cache(model, lifetime, 1, PREFILL_CHUNK)?;
     let bytes_per_token = cache.config().bytes_per_token();
+    let identity = if args.prompt_cache.is_some() || args.save_prompt_cache.is_some() {
+        Some(m.identity()?)
+    } else {
+        None
+    };
+    if args.save_prompt_cache.is_some() {
+        check_can_save(cache.config(), prompt.len())?;
+    }
+    let prefix = match (&args.prompt_cache, &identity) {
+        (Some(path), Some(id)) => {
+            Some(CacheFiles::default().prefix_for(path, &prompt, id, cache.config())?)
+        }
+        _ => None,
+    };
+    let cached = prefix.as_ref().map_or(0, |p| p.tokens);
     let mut engine = Engine::new(
         model,
         cache,
@@ -167,12 +198,28 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
             prefill_chunk: PREFILL_CHUNK,
         },
     )?;
-    engine.add(Request {
+    let request = Request {
         prompt: prompt.clone(),
         params: args.sampling.params(),
         max_tokens,
         eos: m.tokenizer.eos_token_ids().to_vec(),
-    })?;
+    };
+    let id = match prefix {
+        Some(p) => engine.add_with_prefix(request, p)?,
+        None => engine.add(request)?,
+    };
+    if let (Some(path), Some(_)) = (&args.prompt_cache, &identity) {
+        if !args.json {
+            eprintln!(
+                "prompt cache: {cached} of {} prompt tokens from {}",
+                prompt.len(),
+                path.display()
+            );
+        }
+    }
+    if args.save_prompt_cache.is_some() {
+        engine.keep_prompt_kv(id);
+    }
 
     let mut stream = TextStream::new(&m.tokenizer, args.sampling.stop.clone());
     let mut tokens = Vec::new();
@@ -190,6 +237,18 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
     'run: while engine.has_work() {
         let events = engine.step()?;
         kv_bytes = kv_bytes.max(engine.cache().bytes_in_use());
+        if let (Some(path), Some(ident)) = (&args.save_prompt_cache, &identity) {
+            if let Some(rows) = engine.take_prompt_kv(id) {
+                write_prompt_cache(path, m, ident, &prompt, &rows)?;
+                if !args.json {
+                    eprintln!(
+                        "prompt cache: saved {} tokens to {}",
+                        prompt.len(),
+                        path.display()
+                    );
+                }
+            }
+        }
         for ev in events {
             match ev {
                 Event::Token { id, token } => {
@@ -215,6 +274,7 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
     }
     Ok(Output {
         prompt,
+        cached,
         tokens,
         text,
         finish,

@@ -5,6 +5,7 @@ pub mod batch_generate;
 pub mod bench_kv_cache;
 pub mod generate;
 pub mod perplexity;
+pub mod prompt_cache;
 
 /// An error as one line: each cause of the chain (first line only, so backtraces that candle
 /// appends to its messages stay out), joined with ": ".

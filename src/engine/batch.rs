@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use super::request::{Event, FinishReason, Request};
+use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::scheduler::Engine;
 use super::text_stream::TextStream;
 use crate::kv::cache::SeqId;
@@ -31,6 +31,8 @@ pub struct BatchRequest {
 pub struct BatchResult {
     pub id: Value,
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from a prompt cache (`None`: the request named none).
+    pub cached_tokens: Option<usize>,
     /// Generated token ids (the EOS or stop-string token that ended it included).
     pub tokens: Vec<u32>,
     pub text: String,
@@ -44,7 +46,7 @@ pub struct BatchResult {
 impl BatchResult {
     /// The output line's object.
     pub fn to_json(&self) -> Value {
-        json!({
+        let mut v = json!({
             "id": self.id,
             "text": self.text,
             "tokens": self.tokens,
@@ -53,7 +55,11 @@ impl BatchResult {
             "generated_tokens": self.tokens.len(),
             "ttft_ms": round_ms(self.ttft_ms),
             "total_ms": round_ms(self.total_ms),
-        })
+        });
+        if let Some(n) = self.cached_tokens {
+            v["cached_tokens"] = Value::from(n);
+        }
+        v
     }
 }
 
@@ -75,6 +81,7 @@ pub struct BatchOutcome {
 struct InFlight<'t> {
     id: Value,
     prompt_tokens: usize,
+    cached_tokens: Option<usize>,
     tokens: Vec<u32>,
     text: TextStream<'t>,
     first_token_ms: Option<f64>,
@@ -98,13 +105,24 @@ impl<'e, 'm, 't> Batch<'e, 'm, 't> {
 
     /// Queues a request; an error means it can never run (empty, too long, too big for the cache).
     pub fn add(&mut self, r: BatchRequest) -> Result<()> {
+        self.add_with_prefix(r, None)
+    }
+
+    /// Queues a request whose prompt starts with a prompt cache's tokens (see
+    /// [`Engine::add_with_prefix`]).
+    pub fn add_with_prefix(&mut self, r: BatchRequest, prefix: Option<CachedPrefix>) -> Result<()> {
         let prompt_tokens = r.request.prompt.len();
-        let seq = self.engine.add(r.request)?;
+        let cached_tokens = prefix.as_ref().map(|p| p.tokens);
+        let seq = match prefix {
+            Some(p) => self.engine.add_with_prefix(r.request, p)?,
+            None => self.engine.add(r.request)?,
+        };
         self.live.insert(
             seq,
             InFlight {
                 id: r.id,
                 prompt_tokens,
+                cached_tokens,
                 tokens: Vec::new(),
                 text: TextStream::new(self.tokenizer, r.stop),
                 first_token_ms: None,
@@ -199,6 +217,7 @@ impl<'e, 'm, 't> Batch<'e, 'm, 't> {
         on_result(BatchResult {
             id: f.id,
             prompt_tokens: f.prompt_tokens,
+            cached_tokens: f.cached_tokens,
             ttft_ms: f.first_token_ms.unwrap_or(now_ms),
             total_ms: now_ms,
             tokens: f.tokens,

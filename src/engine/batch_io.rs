@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::collections::HashSet;
 use std::io::Write;
+use std::path::PathBuf;
 
 use crate::model::chat::Message;
 
@@ -46,6 +47,8 @@ pub struct InputRecord {
     pub top_k: Option<usize>,
     pub seed: Option<u64>,
     pub stop: Option<Vec<String>>,
+    /// A prompt-cache file whose saved prefix this request starts from.
+    pub prompt_cache: Option<PathBuf>,
 }
 
 /// A line that could not be used, with what is known about it.
@@ -82,6 +85,7 @@ struct JsonLine {
     top_k: Option<usize>,
     seed: Option<u64>,
     stop: Option<StopField>,
+    prompt_cache: Option<String>,
 }
 
 /// Parses a whole input; each non-blank line gives a record or an error. Duplicate ids are
@@ -138,6 +142,7 @@ fn text_record(prompt: &str, line: usize) -> InputRecord {
         top_k: None,
         seed: None,
         stop: None,
+        prompt_cache: None,
     }
 }
 
@@ -185,6 +190,9 @@ fn parse_json_line(text: &str, line: usize) -> Result<InputRecord, InvalidLine> 
             PromptSpec::Messages(m)
         }
     };
+    if j.prompt_cache.as_ref().is_some_and(|p| p.trim().is_empty()) {
+        return Err(fail("\"prompt_cache\" is empty".into()));
+    }
     if j.raw == Some(true) && matches!(prompt, PromptSpec::Messages(_)) {
         return Err(fail(
             "\"raw\" uses no chat template, so it cannot take \"messages\"".into(),
@@ -204,6 +212,7 @@ fn parse_json_line(text: &str, line: usize) -> Result<InputRecord, InvalidLine> 
             StopField::One(s) => vec![s],
             StopField::Many(v) => v,
         }),
+        prompt_cache: j.prompt_cache.map(PathBuf::from),
     })
 }
 
@@ -318,7 +327,7 @@ mod tests {
     #[test]
     fn jsonl_fields_and_errors_keep_line_numbers() {
         let input = concat!(
-            "{\"id\": \"a\", \"prompt\": \"hi\", \"max_tokens\": 3, \"stop\": \"x\", \"raw\": true}\n",
+            "{\"id\": \"a\", \"prompt\": \"hi\", \"max_tokens\": 3, \"stop\": \"x\", \"raw\": true, \"prompt_cache\": \"p.st\"}\n",
             "{\"id\": \"b\", \"messages\": [{\"role\": \"user\", \"content\": \"yo\"}], \"stop\": [\"1\", \"2\"]}\n",
             "{\"id\": \"c\", \"promt\": \"typo\"}\n",
             "not json\n",
@@ -330,6 +339,7 @@ mod tests {
         let a = r[0].as_ref().unwrap();
         assert_eq!((a.max_tokens, a.raw), (Some(3), Some(true)));
         assert_eq!(a.stop, Some(vec!["x".to_string()]));
+        assert_eq!(a.prompt_cache, Some(PathBuf::from("p.st")));
         let b = r[1].as_ref().unwrap();
         assert!(matches!(&b.prompt, PromptSpec::Messages(m) if m.len() == 1));
         assert_eq!(b.stop.as_ref().unwrap().len(), 2);

@@ -1,6 +1,9 @@
 //! A generation request and what the engine reports about it.
 
+use std::sync::Arc;
+
 use super::sampler::SamplingParams;
+use crate::kv::prompt_cache::PromptCacheFile;
 
 /// What one caller asks for, in tokens (text handling stays with the caller).
 #[derive(Debug, Clone)]
@@ -19,6 +22,14 @@ impl Request {
     pub fn cache_tokens(&self, window: usize) -> usize {
         (self.prompt.len() + self.max_tokens.saturating_sub(1)).min(window)
     }
+}
+
+/// The first `tokens` prompt tokens of a request, already computed: their K/V rows are taken
+/// from a prompt-cache file instead of being prefilled.
+#[derive(Debug, Clone)]
+pub struct CachedPrefix {
+    pub file: Arc<PromptCacheFile>,
+    pub tokens: usize,
 }
 
 /// Why a request stopped.

@@ -7,15 +7,22 @@
 //! ones may still claim; so a full pool makes requests wait, never fail or evict half-way.
 //! Finished requests free their blocks at once and waiting ones join at the next step.
 //! `generate` is this engine with one request.
+//!
+//! Prompt caches: a request added with a [`CachedPrefix`] gets those prompt tokens' stored K/V
+//! rows imported into its fresh sequence when it is admitted (in chunks, like a prefill, so
+//! admission's block promise still holds) and prefills only the rest; a saved history thus
+//! joins a running batch like any other request. A request marked with
+//! [`Engine::keep_prompt_kv`] has its prompt's rows exported the moment its prefill completes.
 
 use anyhow::{bail, Result};
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
-use super::request::{Event, FinishReason, Request};
+use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
 use crate::kv::cache::{PagedKvCache, SeqId};
+use crate::kv::layer::LayerRows;
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
 /// Scheduling limits.
@@ -57,6 +64,11 @@ pub struct Engine<'m> {
     waiting: VecDeque<(SeqId, Request)>,
     running: Vec<Running>,
     stats: Stats,
+    /// Prompt-cache prefixes of waiting requests, imported on admission.
+    prefixes: HashMap<SeqId, CachedPrefix>,
+    /// Requests whose prompt rows are to be exported once prefilled, and those exported.
+    keep_prompt: HashSet<SeqId>,
+    prompt_kv: HashMap<SeqId, Vec<LayerRows>>,
 }
 
 impl<'m> Engine<'m> {
@@ -72,6 +84,9 @@ impl<'m> Engine<'m> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             stats: Stats::default(),
+            prefixes: HashMap::new(),
+            keep_prompt: HashSet::new(),
+            prompt_kv: HashMap::new(),
         })
     }
 
@@ -112,6 +127,43 @@ impl<'m> Engine<'m> {
         Ok(id)
     }
 
+    /// Queues a request whose first `prefix.tokens` prompt tokens come from a prompt cache
+    /// (the file's tokens must equal them; at least one prompt token is left to prefill, two
+    /// keep the rest on the prefill path: see `reusable_prefix`).
+    pub fn add_with_prefix(&mut self, req: Request, prefix: CachedPrefix) -> Result<SeqId> {
+        let n = prefix.tokens;
+        if n >= req.prompt.len() {
+            bail!(
+                "a prompt cache can cover at most {} of this prompt's {} tokens (the last one \
+                 must be computed), not {n}",
+                req.prompt.len().saturating_sub(1),
+                req.prompt.len()
+            );
+        }
+        if prefix.file.tokens().get(..n) != Some(&req.prompt[..n]) {
+            bail!(
+                "the first {n} prompt tokens are not those saved in {}",
+                prefix.file.path().display()
+            );
+        }
+        let id = self.add(req)?;
+        if n > 0 {
+            self.prefixes.insert(id, prefix);
+        }
+        Ok(id)
+    }
+
+    /// Asks for the stored K/V rows of request `id`'s prompt, taken when its prefill completes
+    /// (see [`Self::take_prompt_kv`]).
+    pub fn keep_prompt_kv(&mut self, id: SeqId) {
+        self.keep_prompt.insert(id);
+    }
+
+    /// The prompt rows of `id`, once its prefill has completed (per layer, as stored).
+    pub fn take_prompt_kv(&mut self, id: SeqId) -> Option<Vec<LayerRows>> {
+        self.prompt_kv.remove(&id)
+    }
+
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
@@ -135,6 +187,8 @@ impl<'m> Engine<'m> {
     /// Ends a request now (stop string seen, Ctrl-C); frees its blocks.
     pub fn finish(&mut self, id: SeqId) {
         self.waiting.retain(|(w, _)| *w != id);
+        self.prefixes.remove(&id);
+        self.keep_prompt.remove(&id);
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
             self.running.swap_remove(i);
             self.cache.remove_sequence(id);
@@ -170,17 +224,37 @@ impl<'m> Engine<'m> {
             }
             let (id, req) = self.waiting.pop_front().expect("front exists");
             self.cache.add_sequence(id)?;
+            let prefilled = match self.prefixes.remove(&id) {
+                Some(p) => {
+                    if let Err(e) = self.import_prefix(id, &p) {
+                        self.cache.remove_sequence(id);
+                        return Err(e);
+                    }
+                    p.tokens
+                }
+                None => 0,
+            };
             let lifetime_blocks = self.lifetime_blocks(&req);
             self.running.push(Running {
                 id,
                 sampler: Sampler::new(req.params.clone()),
                 history: req.prompt.clone(),
-                prefilled: 0,
+                prefilled,
                 generated: 0,
                 lifetime_blocks,
                 req,
             });
         }
+        Ok(())
+    }
+
+    /// Puts a prompt cache's rows into the new sequence `id`.
+    fn import_prefix(&mut self, id: SeqId, p: &CachedPrefix) -> Result<()> {
+        let rows = p.file.load_rows(p.tokens, self.cache.device())?;
+        self.cache
+            .import_rows(id, &rows, self.cfg.prefill_chunk)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.file.path().display()))?;
+        self.stats.cached_tokens += p.tokens;
         Ok(())
     }
 
@@ -213,7 +287,14 @@ impl<'m> Engine<'m> {
         let mut budget = self.cfg.prefill_chunk;
         for (i, r) in self.running.iter().enumerate() {
             if r.prefilled < r.req.prompt.len() && budget > 0 {
-                let n = (r.req.prompt.len() - r.prefilled).min(budget);
+                let n = prefill_take(
+                    r.req.prompt.len() - r.prefilled,
+                    budget,
+                    self.cfg.prefill_chunk,
+                );
+                if n == 0 {
+                    continue;
+                }
                 budget -= n;
                 inputs.push(SeqInput {
                     seq: r.id,
@@ -239,6 +320,7 @@ impl<'m> Engine<'m> {
         let window = self.model.config().max_position_embeddings;
         let mut events = Vec::new();
         let mut done = Vec::new();
+        let mut prefilled_now = Vec::new();
         for ((inp, &i), row) in inputs.iter().zip(&owners).zip(&rows) {
             let r = &mut self.running[i];
             let n = inp.tokens.len();
@@ -247,6 +329,7 @@ impl<'m> Engine<'m> {
                 if r.prefilled < r.req.prompt.len() {
                     continue; // mid-prompt chunk: its logits are not a prediction we use
                 }
+                prefilled_now.push(r.id);
             }
             let tok = r.sampler.sample(row, &r.history)?;
             r.history.push(tok);
@@ -268,9 +351,72 @@ impl<'m> Engine<'m> {
                 done.push(r.id);
             }
         }
+        // Before finishing anything: a request may end on its first token.
+        for id in prefilled_now {
+            if self.keep_prompt.remove(&id) {
+                let rows = self.cache.export_rows(id)?;
+                self.prompt_kv.insert(id, rows);
+            }
+        }
         for id in done {
             self.finish(id);
         }
         Ok(events)
+    }
+}
+
+/// Prompt tokens of a request to prefill in this step, `left` still to go and `budget` free.
+/// As many as fit, except that a prompt longer than one token never gets a one-token chunk nor
+/// is left with a one-token rest: a lone new token takes the decode kernel, whose rounding
+/// differs from the prefill path that the same token takes when the prompt runs alone, so a
+/// prompt's K/V would depend on how the batch happened to split it. With a total chunk of
+/// fewer than 3 tokens this cannot be kept (it would stall) and plain splitting applies.
+fn prefill_take(left: usize, budget: usize, chunk: usize) -> usize {
+    if left <= budget || chunk < 3 {
+        return left.min(budget);
+    }
+    let n = if left - budget == 1 {
+        budget - 1
+    } else {
+        budget
+    };
+    if n < 2 {
+        0
+    } else {
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_take;
+
+    #[test]
+    fn prompt_chunks_are_never_single_tokens() {
+        assert_eq!(prefill_take(10, 64, 64), 10);
+        assert_eq!(prefill_take(1, 64, 64), 1); // a one-token prompt
+        assert_eq!(prefill_take(100, 32, 32), 32);
+        assert_eq!(prefill_take(33, 32, 32), 31); // not 32, which would leave 1
+        assert_eq!(prefill_take(40, 1, 32), 0); // wait for a step with room
+        assert_eq!(prefill_take(3, 2, 32), 0); // 2 would leave 1, 1 is alone
+        assert_eq!(prefill_take(5, 3, 32), 3);
+        // Every split of any prompt under any budget is made of chunks of ≥ 2 tokens.
+        for len in 2..80 {
+            for first_budget in 0..40 {
+                let (mut left, mut budget) = (len, first_budget);
+                let mut steps = 0;
+                while left > 0 {
+                    let n = prefill_take(left, budget, 32);
+                    assert!(n != 1, "len {len}: a one-token chunk");
+                    left -= n;
+                    budget = 32;
+                    steps += 1;
+                    assert!(steps < 100);
+                }
+            }
+        }
+        // Tiny chunks cannot avoid it; they still make progress.
+        assert_eq!(prefill_take(3, 2, 2), 2);
+        assert_eq!(prefill_take(3, 1, 1), 1);
     }
 }

@@ -8,7 +8,10 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Stats {
+    /// Prompt tokens run through the model (those taken from prompt caches are not).
     pub prompt_tokens: usize,
+    /// Prompt tokens whose K/V came from prompt caches.
+    pub cached_tokens: usize,
     pub prefill_seconds: f64,
     /// Tokens sampled (the first one comes from the prompt's last position).
     pub generated_tokens: usize,

@@ -19,7 +19,7 @@
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 
-use super::layer::{KvFormat, LayerKv};
+use super::layer::{KvFormat, LayerKv, LayerRows};
 use super::rotation::{Rotation, DEFAULT_SEED};
 
 /// Identifies one sequence in the cache (the scheduler's request number).
@@ -37,6 +37,9 @@ pub enum CacheError {
     UnknownSeq(SeqId),
     #[error("sequence {0} is already in the KV cache")]
     DuplicateSeq(SeqId),
+    /// Stored rows that cannot be exported or imported as they are (window, format, shape).
+    #[error("{0}")]
+    Rows(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -117,6 +120,22 @@ impl CacheConfig {
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
+    }
+
+    /// The format of each layer in which a new sequence keeps its first `n` tokens: dense
+    /// staging below the `--quantized-kv-start` threshold, else the main pool's formats.
+    pub fn formats_for_prefix(&self, n: usize) -> Vec<KvFormat> {
+        match &self.staging {
+            Some(st) if self.prefix_in_staging(n) => {
+                vec![KvFormat::Dense(st.dtype); self.num_layers]
+            }
+            _ => self.formats.clone(),
+        }
+    }
+
+    /// Whether a new sequence of `n` tokens still lives in the dense staging pool.
+    pub fn prefix_in_staging(&self, n: usize) -> bool {
+        matches!(&self.staging, Some(st) if st.tokens > 0 && n < st.tokens)
     }
 
     /// Most main-pool blocks a sequence holding up to `tokens` tokens, fed in chunks of at most
@@ -565,6 +584,99 @@ impl PagedKvCache {
     }
 }
 
+/// Moving a sequence's stored rows out of and into the pools (prompt caches).
+impl PagedKvCache {
+    /// The stored rows of positions `0..len` of `id`, per layer, exactly as kept (codes stay
+    /// codes). Fails if the sliding window already let go of some of them.
+    pub fn export_rows(&self, id: SeqId) -> Result<Vec<LayerRows>> {
+        let s = self.seq(id)?;
+        let bs = self.cfg.block_size;
+        // The window only ever drops leading blocks.
+        let dropped = s.blocks.iter().take_while(|b| b.is_none()).count();
+        if dropped > 0 {
+            return Err(CacheError::Rows(format!(
+                "sequence {id}: its first {} positions already left the --max-kv-size window, \
+                 so its history cannot be exported",
+                (dropped * bs).min(s.len)
+            )));
+        }
+        let slots = Tensor::from_vec(self.slots(id, 0, s.len)?, s.len, &self.device)?;
+        Ok(self
+            .pool(s.pool)
+            .layers
+            .iter()
+            .map(|l| l.read_rows(&slots))
+            .collect::<candle_core::Result<Vec<_>>>()?)
+    }
+
+    /// The format of each layer in which a new sequence keeps its first `n` tokens (see
+    /// [`CacheConfig::formats_for_prefix`]).
+    pub fn formats_for_prefix(&self, n: usize) -> Vec<KvFormat> {
+        self.cfg.formats_for_prefix(n)
+    }
+
+    /// Makes stored rows (one entry per layer, `n` rows each) positions `0..n` of the empty
+    /// sequence `id`, writing them as they are — no conversion, no re-quantization — so they
+    /// must be in the formats [`Self::formats_for_prefix`] gives for `n`. Rows go in runs of at
+    /// most `chunk` tokens, each reserved and advanced like a prefill chunk, so the sliding
+    /// window frees blocks as it would there and the sequence never holds more blocks than a
+    /// prefill of the same tokens would.
+    pub fn import_rows(&mut self, id: SeqId, rows: &[LayerRows], chunk: usize) -> Result<()> {
+        let s = self.seq(id)?;
+        if s.len != 0 {
+            return Err(CacheError::Rows(format!(
+                "sequence {id} already holds {} tokens; rows import only into an empty sequence",
+                s.len
+            )));
+        }
+        if rows.len() != self.cfg.num_layers {
+            return Err(CacheError::Rows(format!(
+                "{} layers of rows for a {}-layer cache",
+                rows.len(),
+                self.cfg.num_layers
+            )));
+        }
+        let n = rows.first().map_or(Ok(0), LayerRows::len)?;
+        let want = self.formats_for_prefix(n);
+        for (l, (r, w)) in rows.iter().zip(&want).enumerate() {
+            if r.len()? != n {
+                return Err(CacheError::Rows(format!(
+                    "layer {l} has {} rows, layer 0 has {n}",
+                    r.len()?
+                )));
+            }
+            if r.format() != *w {
+                return Err(CacheError::Rows(format!(
+                    "layer {l}: rows stored as {:?}, but this cache keeps the first {n} tokens \
+                     as {w:?}",
+                    r.format()
+                )));
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if s.pool == Pool::Staging && !self.cfg.prefix_in_staging(n) {
+            // Past the threshold: the sequence starts in the main pool (it holds nothing yet).
+            self.promote(id)?;
+        }
+        let chunk = chunk.max(1);
+        let mut start = 0;
+        while start < n {
+            let c = chunk.min(n - start);
+            self.reserve(id, c)?;
+            let slots = Tensor::from_vec(self.slots(id, start, start + c)?, c, &self.device)?;
+            let pool = self.pool(self.seq(id)?.pool);
+            for (layer, r) in pool.layers.iter().zip(rows) {
+                layer.write_rows(&slots, &r.narrow(start, c)?)?;
+            }
+            self.advance(id, c)?;
+            start += c;
+        }
+        Ok(())
+    }
+}
+
 fn staging_dtype(l: &LayerKv) -> DType {
     match l {
         LayerKv::Dense { k, .. } => k.dtype(),
@@ -735,5 +847,222 @@ mod tests {
             ) > 0.0
         );
         assert_eq!(b.staging.as_ref().unwrap().free.len(), 4);
+    }
+
+    fn affine(bits: u32) -> KvFormat {
+        KvFormat::Affine {
+            fmt: QuantFormat::new(bits, 32).unwrap(),
+            scale_dtype: DType::F32,
+        }
+    }
+
+    /// Every stored tensor of `rows`, flattened to f32 (codes as their u32 values) per layer.
+    fn raw(rows: &[LayerRows]) -> Vec<Vec<Vec<f64>>> {
+        let flat = |t: &Tensor| -> Vec<f64> {
+            t.flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        rows.iter()
+            .map(|r| match r {
+                LayerRows::Dense { k, v } => vec![flat(k), flat(v)],
+                LayerRows::Affine { k, v, .. } => [k, v]
+                    .iter()
+                    .flat_map(|q| [flat(&q.codes), flat(&q.scales), flat(&q.biases)])
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Writes `n` tokens of seq `id` in steps of `step`, in both layers, values seeded by `base`.
+    fn fill(c: &mut PagedKvCache, id: SeqId, n: usize, step: usize, base: f32) {
+        let (k, v) = (rows(n, base), rows(n, -base).sqr().unwrap());
+        let mut at = 0;
+        while at < n {
+            let m = step.min(n - at);
+            c.reserve(id, m).unwrap();
+            for l in 0..2 {
+                c.write(
+                    l,
+                    id,
+                    at,
+                    &k.narrow(0, at, m).unwrap(),
+                    &v.narrow(0, at, m).unwrap(),
+                )
+                .unwrap();
+            }
+            c.advance(id, m).unwrap();
+            at += m;
+        }
+    }
+
+    #[test]
+    fn exported_rows_import_bit_for_bit_into_another_layout() {
+        for fmt in [KvFormat::Dense(DType::F32), affine(4), affine(8)] {
+            let mut config = cfg(16);
+            config.formats = vec![fmt; 2];
+            let mut a = PagedKvCache::new(config.clone(), &Device::Cpu).unwrap();
+            a.add_sequence(1).unwrap();
+            a.add_sequence(2).unwrap();
+            fill(&mut a, 2, 5, 5, 3.0);
+            fill(&mut a, 1, 11, 3, 0.5);
+            let saved = a.export_rows(1).unwrap();
+            assert_eq!(saved[0].len().unwrap(), 11);
+            assert_eq!(saved[0].format(), fmt);
+
+            // Another cache whose free blocks come in another order.
+            let mut b = PagedKvCache::new(config, &Device::Cpu).unwrap();
+            b.add_sequence(9).unwrap();
+            fill(&mut b, 9, 7, 7, 1.0);
+            b.add_sequence(4).unwrap();
+            b.import_rows(4, &saved, 4).unwrap();
+            assert_eq!(b.seq_len(4).unwrap(), 11);
+            assert_eq!(raw(&b.export_rows(4).unwrap()), raw(&saved), "{fmt:?}");
+            let (ka, va) = gather_all(&a, 1, 0, 11);
+            let (kb, vb) = gather_all(&b, 4, 0, 11);
+            assert_eq!(max_diff(&ka, &kb), 0.0);
+            assert_eq!(max_diff(&va, &vb), 0.0);
+            // The other sequence is untouched.
+            assert_eq!(
+                raw(&b.export_rows(9).unwrap()),
+                raw(&{
+                    let mut c = PagedKvCache::new(b.config().clone(), &Device::Cpu).unwrap();
+                    c.add_sequence(9).unwrap();
+                    fill(&mut c, 9, 7, 7, 1.0);
+                    c.export_rows(9).unwrap()
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn quantized_codes_do_not_depend_on_what_else_is_in_the_cache() {
+        // Alone, written in one run...
+        let mut config = cfg(64);
+        config.formats = vec![affine(4); 2];
+        let mut alone = PagedKvCache::new(config.clone(), &Device::Cpu).unwrap();
+        alone.add_sequence(0).unwrap();
+        fill(&mut alone, 0, 30, 30, 0.25);
+        // ...and among other sequences, in chunks and decode-sized steps, blocks interleaved.
+        let mut busy = PagedKvCache::new(config, &Device::Cpu).unwrap();
+        for id in [5, 0, 6] {
+            busy.add_sequence(id).unwrap();
+        }
+        fill(&mut busy, 5, 9, 2, 7.0);
+        fill(&mut busy, 0, 13, 13, 0.25);
+        fill(&mut busy, 6, 40, 16, -2.0);
+        let (k, v) = (rows(30, 0.25), rows(30, -0.25).sqr().unwrap());
+        for pos in 13..30 {
+            busy.reserve(0, 1).unwrap();
+            for l in 0..2 {
+                busy.write(
+                    l,
+                    0,
+                    pos,
+                    &k.narrow(0, pos, 1).unwrap(),
+                    &v.narrow(0, pos, 1).unwrap(),
+                )
+                .unwrap();
+            }
+            busy.advance(0, 1).unwrap();
+        }
+        assert_eq!(
+            raw(&alone.export_rows(0).unwrap()),
+            raw(&busy.export_rows(0).unwrap())
+        );
+        // The kernel itself: a row's codes are the same whichever rows share the call.
+        let fmt = QuantFormat::new(4, 32).unwrap();
+        let x = rows(300, -1.5);
+        let all = crate::kv::quant::quantize(&x, fmt).unwrap();
+        for (at, n) in [(0, 1), (17, 5), (123, 150), (299, 1)] {
+            let part = crate::kv::quant::quantize(&x.narrow(0, at, n).unwrap(), fmt).unwrap();
+            let cut = |t: &Tensor| t.narrow(0, at, n).unwrap();
+            let whole = LayerRows::Affine {
+                kfmt: fmt,
+                vfmt: fmt,
+                rotated: false,
+                k: crate::kv::quant::Quantized {
+                    codes: cut(&all.codes),
+                    scales: cut(&all.scales),
+                    biases: cut(&all.biases),
+                },
+                v: part.clone(),
+            };
+            let r = raw(&[whole]);
+            assert_eq!(r[0][..3], r[0][3..], "rows {at}..{}", at + n);
+        }
+    }
+
+    #[test]
+    fn import_refuses_other_formats_and_respects_staging_and_window() {
+        let mut q4 = cfg(16);
+        q4.formats = vec![affine(4); 2];
+        let mut a = PagedKvCache::new(q4.clone(), &Device::Cpu).unwrap();
+        a.add_sequence(0).unwrap();
+        fill(&mut a, 0, 10, 10, 1.0);
+        let saved = a.export_rows(0).unwrap();
+
+        let mut q8 = q4.clone();
+        q8.formats = vec![affine(8); 2];
+        let mut b = PagedKvCache::new(q8, &Device::Cpu).unwrap();
+        b.add_sequence(0).unwrap();
+        let e = b.import_rows(0, &saved, 4).unwrap_err().to_string();
+        assert!(
+            e.contains("layer 0") && e.contains("bits: 4") && e.contains("bits: 8"),
+            "{e}"
+        );
+        assert_eq!(b.seq_len(0).unwrap(), 0);
+        assert_eq!(b.free_blocks(), 16);
+
+        // Below --quantized-kv-start a sequence is dense: quantized rows do not fit, dense do.
+        let mut staged = q4.clone();
+        staged.staging = Some(Staging {
+            tokens: 12,
+            dtype: DType::F32,
+            num_blocks: 4,
+        });
+        let mut c = PagedKvCache::new(staged.clone(), &Device::Cpu).unwrap();
+        c.add_sequence(0).unwrap();
+        assert!(c.import_rows(0, &saved, 4).is_err());
+        let mut dense = PagedKvCache::new(cfg(16), &Device::Cpu).unwrap();
+        dense.add_sequence(0).unwrap();
+        fill(&mut dense, 0, 10, 10, 1.0);
+        c.import_rows(0, &dense.export_rows(0).unwrap(), 4).unwrap();
+        assert!(!c.in_main_pool(0).unwrap());
+        // Past the threshold the quantized rows go straight to the main pool.
+        let mut d = PagedKvCache::new(
+            CacheConfig {
+                staging: Some(Staging {
+                    tokens: 8,
+                    ..staged.staging.clone().unwrap()
+                }),
+                ..staged
+            },
+            &Device::Cpu,
+        )
+        .unwrap();
+        d.add_sequence(0).unwrap();
+        d.import_rows(0, &saved, 4).unwrap();
+        assert!(d.in_main_pool(0).unwrap());
+        assert_eq!(raw(&d.export_rows(0).unwrap()), raw(&saved));
+
+        // A window: chunks free what slid out, and export then refuses.
+        let mut long = PagedKvCache::new(cfg(32), &Device::Cpu).unwrap();
+        long.add_sequence(0).unwrap();
+        fill(&mut long, 0, 40, 8, 0.1);
+        let mut w = cfg(32);
+        w.window = Some(6);
+        let mut win = PagedKvCache::new(w, &Device::Cpu).unwrap();
+        win.add_sequence(0).unwrap();
+        win.import_rows(0, &long.export_rows(0).unwrap(), 4)
+            .unwrap();
+        assert!(win.owned_blocks(0).unwrap() <= win.config().max_blocks_for(40, 4));
+        let (k, _) = gather_all(&win, 0, win.first_visible(40), 40);
+        assert_eq!(max_diff(&k, &rows(40, 0.1).narrow(0, 35, 5).unwrap()), 0.0);
+        let e = win.export_rows(0).unwrap_err().to_string();
+        assert!(e.contains("--max-kv-size"), "{e}");
     }
 }

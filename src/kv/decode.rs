@@ -114,7 +114,9 @@ fn check_shapes(
             }
             (k.dim(0)?, k.dim(1)?)
         }
-        LayerKv::Affine { kfmt, vfmt, k, v } => {
+        LayerKv::Affine {
+            kfmt, vfmt, k, v, ..
+        } => {
             let mut widths = Vec::with_capacity(2);
             for (name, t, fmt) in [("K", k, kfmt), ("V", v, vfmt)] {
                 fmt.check_dim(head_dim)

@@ -65,6 +65,8 @@ pub enum LayerKv {
     Affine {
         kfmt: QuantFormat,
         vfmt: QuantFormat,
+        /// Rows hold rotated head vectors (the cache rotates; recorded so the format is whole).
+        rotated: bool,
         k: Quantized,
         v: Quantized,
     },
@@ -81,7 +83,7 @@ impl LayerKv {
                 key,
                 value,
                 scale_dtype,
-                ..
+                rotated,
             } => {
                 key.check_dim(width)?;
                 value.check_dim(width)?;
@@ -103,6 +105,7 @@ impl LayerKv {
                 LayerKv::Affine {
                     kfmt: key,
                     vfmt: value,
+                    rotated,
                     k: q(key)?,
                     v: q(value)?,
                 }
@@ -123,6 +126,7 @@ impl LayerKv {
                 vfmt,
                 k: qk,
                 v: qv,
+                ..
             } => {
                 quantize_rows_into(k, *kfmt, qk, first)?;
                 quantize_rows_into(v, *vfmt, qv, first)
@@ -151,6 +155,188 @@ impl LayerKv {
                 };
                 Ok((pick(k, kfmt)?, pick(v, vfmt)?))
             }
+        }
+    }
+}
+
+/// Rows of one layer exactly as stored (a sequence's history taken out of the pool, or read
+/// from a prompt-cache file): dense values, or codes + scales + biases. Moving rows in this form
+/// never re-quantizes, so an imported history holds the very codes it was saved with.
+#[derive(Debug, Clone)]
+pub enum LayerRows {
+    /// `[n, width]` each, the layer's dense dtype.
+    Dense { k: Tensor, v: Tensor },
+    /// `codes [n, words]`, `scales` / `biases [n, groups]` each.
+    Affine {
+        kfmt: QuantFormat,
+        vfmt: QuantFormat,
+        rotated: bool,
+        k: Quantized,
+        v: Quantized,
+    },
+}
+
+impl LayerRows {
+    /// The storage format these rows are in.
+    pub fn format(&self) -> KvFormat {
+        match self {
+            LayerRows::Dense { k, .. } => KvFormat::Dense(k.dtype()),
+            LayerRows::Affine {
+                kfmt,
+                vfmt,
+                rotated,
+                k,
+                ..
+            } => KvFormat::Affine {
+                key: *kfmt,
+                value: *vfmt,
+                scale_dtype: k.scales.dtype(),
+                rotated: *rotated,
+            },
+        }
+    }
+
+    /// Number of rows (tokens).
+    pub fn len(&self) -> Result<usize> {
+        match self {
+            LayerRows::Dense { k, .. } => k.dim(0),
+            LayerRows::Affine { k, .. } => k.codes.dim(0),
+        }
+    }
+
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Rows `start..start + n`.
+    pub fn narrow(&self, start: usize, n: usize) -> Result<Self> {
+        let q = |q: &Quantized| -> Result<Quantized> {
+            Ok(Quantized {
+                codes: q.codes.narrow(0, start, n)?,
+                scales: q.scales.narrow(0, start, n)?,
+                biases: q.biases.narrow(0, start, n)?,
+            })
+        };
+        Ok(match self {
+            LayerRows::Dense { k, v } => LayerRows::Dense {
+                k: k.narrow(0, start, n)?,
+                v: v.narrow(0, start, n)?,
+            },
+            LayerRows::Affine {
+                kfmt,
+                vfmt,
+                rotated,
+                k,
+                v,
+            } => LayerRows::Affine {
+                kfmt: *kfmt,
+                vfmt: *vfmt,
+                rotated: *rotated,
+                k: q(k)?,
+                v: q(v)?,
+            },
+        })
+    }
+}
+
+impl LayerKv {
+    /// The format of this layer's slots.
+    pub fn format(&self) -> KvFormat {
+        match self {
+            LayerKv::Dense { k, .. } => KvFormat::Dense(k.dtype()),
+            LayerKv::Affine {
+                kfmt,
+                vfmt,
+                rotated,
+                k,
+                ..
+            } => KvFormat::Affine {
+                key: *kfmt,
+                value: *vfmt,
+                scale_dtype: k.scales.dtype(),
+                rotated: *rotated,
+            },
+        }
+    }
+
+    /// The stored rows of `slots` (u32 `[n]`), without dequantizing.
+    pub fn read_rows(&self, slots: &Tensor) -> Result<LayerRows> {
+        Ok(match self {
+            LayerKv::Dense { k, v } => LayerRows::Dense {
+                k: k.index_select(slots, 0)?,
+                v: v.index_select(slots, 0)?,
+            },
+            LayerKv::Affine {
+                kfmt,
+                vfmt,
+                rotated,
+                k,
+                v,
+            } => {
+                let pick = |q: &Quantized| -> Result<Quantized> {
+                    Ok(Quantized {
+                        codes: q.codes.index_select(slots, 0)?,
+                        scales: q.scales.index_select(slots, 0)?,
+                        biases: q.biases.index_select(slots, 0)?,
+                    })
+                };
+                LayerRows::Affine {
+                    kfmt: *kfmt,
+                    vfmt: *vfmt,
+                    rotated: *rotated,
+                    k: pick(k)?,
+                    v: pick(v)?,
+                }
+            }
+        })
+    }
+
+    /// Writes stored rows into `slots` (u32 `[n]`) as they are: same format required, nothing is
+    /// converted or re-quantized.
+    pub fn write_rows(&self, slots: &Tensor, rows: &LayerRows) -> Result<()> {
+        if rows.format() != self.format() {
+            candle_core::bail!(
+                "rows stored as {:?} cannot go into a layer stored as {:?}",
+                rows.format(),
+                self.format()
+            );
+        }
+        let n = slots.dim(0)?;
+        if rows.len()? != n {
+            candle_core::bail!("{} rows for {n} slots", rows.len()?);
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let put = |pool: &Tensor, src: &Tensor| -> Result<()> {
+            let src = src.to_device(pool.device())?.contiguous()?;
+            if src.dim(1)? != pool.dim(1)? {
+                candle_core::bail!(
+                    "rows of width {} for a layer of width {}",
+                    src.dim(1)?,
+                    pool.dim(1)?
+                );
+            }
+            let idx = slots
+                .unsqueeze(1)?
+                .broadcast_as(src.shape())?
+                .contiguous()?;
+            pool.scatter_set(&idx, &src, 0)
+        };
+        match (self, rows) {
+            (LayerKv::Dense { k: pk, v: pv }, LayerRows::Dense { k, v }) => {
+                put(pk, k)?;
+                put(pv, v)
+            }
+            (LayerKv::Affine { k: pk, v: pv, .. }, LayerRows::Affine { k, v, .. }) => {
+                for (p, s) in [(pk, k), (pv, v)] {
+                    put(&p.codes, &s.codes)?;
+                    put(&p.scales, &s.scales)?;
+                    put(&p.biases, &s.biases)?;
+                }
+                Ok(())
+            }
+            _ => candle_core::bail!("rows and layer formats differ"),
         }
     }
 }

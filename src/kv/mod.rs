@@ -1,9 +1,11 @@
 //! The KV cache: quantization format and ops (`quant`), the paged block pool and per-sequence
-//! block tables (`cache`), and attention over cached blocks (`attention`).
+//! block tables (`cache`), attention over cached blocks (`attention`), and prompt-cache files
+//! (`prompt_cache`).
 
 pub mod attention;
 pub mod cache;
 pub mod decode;
 pub mod layer;
+pub mod prompt_cache;
 pub mod quant;
 pub mod rotation;

@@ -115,6 +115,16 @@ impl Llama {
         self.dtype
     }
 
+    /// Whether any projection runs on quantized weight blocks (else every matmul is dense).
+    pub fn has_quantized_weights(&self) -> bool {
+        self.lm_head.is_quantized()
+            || self.blocks.iter().any(|b| {
+                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]
+                    .iter()
+                    .any(|l| l.is_quantized())
+            })
+    }
+
     /// Runs the new tokens of `inputs` through the model, appending their K/V to `cache` (space
     /// must be reserved). Returns f32 logits `[rows, vocab]`: one row per sequence for
     /// [`LogitsFor::Last`], one per token (in input order) for [`LogitsFor::All`].

@@ -12,11 +12,13 @@ use std::path::{Path, PathBuf};
 use super::chat::ChatTemplate;
 use super::config::ModelConfig;
 use super::fetch;
+use super::fingerprint::WeightSource;
 use super::hub::{self, HubModel, ModelFiles};
 use super::llama::Llama;
 use super::tokenizer::TextTokenizer;
 use super::weights::Weights;
 use crate::cli::args::{LoadFormat, ModelArgs};
+use crate::kv::prompt_cache::ModelIdentity;
 
 pub struct LoadedModel {
     pub model: Llama,
@@ -24,6 +26,11 @@ pub struct LoadedModel {
     pub chat_template: Option<ChatTemplate>,
     /// What was loaded, for messages and prompt-cache fingerprints.
     pub description: String,
+    /// Where the weights came from (their fingerprint identifies them in prompt caches).
+    pub source: WeightSource,
+    /// Whether the matmuls run on dense weights (safetensors, dummy, `--dequantize`) rather
+    /// than quantized GGUF blocks: the two give slightly different K/V.
+    pub dense_weights: bool,
 }
 
 impl LoadedModel {
@@ -39,6 +46,23 @@ impl LoadedModel {
         let text = template.render(messages, true)?;
         self.tokenizer.encode(&text, false)
     }
+
+    /// What a prompt cache must have been made by to be used with this model.
+    pub fn identity(&self) -> Result<ModelIdentity> {
+        let c = self.model.config();
+        Ok(ModelIdentity {
+            fingerprint: self.source.fingerprint()?,
+            weights: if self.dense_weights {
+                "dense"
+            } else {
+                "quantized"
+            }
+            .into(),
+            num_layers: c.num_layers,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        })
+    }
 }
 
 /// Loads what `args` names onto `device`.
@@ -50,7 +74,7 @@ pub fn load(args: &ModelArgs, device: &Device) -> Result<LoadedModel> {
     if args.config.is_some() {
         bail!("--config is only used with --load-format dummy");
     }
-    let (model, tokenizer, description) = match &args.model {
+    let (model, tokenizer, description, source) = match &args.model {
         None => {
             let path = fetch::default_model()?;
             load_gguf(&path, args, device, dtype)?
@@ -89,13 +113,19 @@ pub fn load(args: &ModelArgs, device: &Device) -> Result<LoadedModel> {
         ),
         None => None,
     };
+    let dense_weights = !model.has_quantized_weights();
     Ok(LoadedModel {
         model,
         tokenizer,
         chat_template,
         description,
+        source,
+        dense_weights,
     })
 }
+
+/// Seed of `--load-format dummy` weights (where the device's generator takes one).
+const DUMMY_SEED: u64 = 0;
 
 fn looks_like_path(spec: &str) -> bool {
     spec.ends_with(".gguf")
@@ -110,7 +140,7 @@ fn load_gguf(
     args: &ModelArgs,
     device: &Device,
     dtype: DType,
-) -> Result<(Llama, TextTokenizer, String)> {
+) -> Result<(Llama, TextTokenizer, String, WeightSource)> {
     let mut f = std::fs::File::open(path)
         .with_context(|| format!("cannot open model file {}", path.display()))?;
     let content = gguf_file::Content::read(&mut f).map_err(|e| {
@@ -136,7 +166,8 @@ fn load_gguf(
         || (!args.keep_quantized && super::weights::dense_is_better(&content, device, dtype));
     let mut w = Weights::gguf(path, &cfg, content, device, dtype, dense)?;
     let model = Llama::load(&cfg, &mut w)?;
-    Ok((model, tokenizer, path.display().to_string()))
+    let source = WeightSource::Gguf(path.to_path_buf());
+    Ok((model, tokenizer, path.display().to_string(), source))
 }
 
 fn load_safetensors(
@@ -145,7 +176,7 @@ fn load_safetensors(
     device: &Device,
     dtype: DType,
     spec: &str,
-) -> Result<(Llama, TextTokenizer, String)> {
+) -> Result<(Llama, TextTokenizer, String, WeightSource)> {
     if args.dequantize || args.keep_quantized {
         bail!("--dequantize / --keep-quantized apply to GGUF models only ({spec} is safetensors)");
     }
@@ -158,7 +189,14 @@ fn load_safetensors(
         TextTokenizer::from_files(&files.tokenizer, files.tokenizer_config.as_deref(), &extra)?;
     let mut w = Weights::safetensors(&files.weights, &cfg, device, dtype)?;
     let model = Llama::load(&cfg, &mut w)?;
-    Ok((model, tokenizer, spec.to_string()))
+    let mut files_hashed = vec![files.config.clone()];
+    files_hashed.extend(files.weights.iter().cloned());
+    Ok((
+        model,
+        tokenizer,
+        spec.to_string(),
+        WeightSource::Safetensors(files_hashed),
+    ))
 }
 
 fn load_dummy(args: &ModelArgs, device: &Device, dtype: DType) -> Result<LoadedModel> {
@@ -191,12 +229,19 @@ fn load_dummy(args: &ModelArgs, device: &Device, dtype: DType) -> Result<LoadedM
             cfg.vocab_size
         );
     }
-    let mut w = Weights::dummy(&cfg, device, dtype, 0)?;
+    let mut w = Weights::dummy(&cfg, device, dtype, DUMMY_SEED)?;
     let model = Llama::load(&cfg, &mut w)?;
     Ok(LoadedModel {
         model,
         tokenizer,
         chat_template: None,
         description: format!("dummy weights shaped by {}", config.display()),
+        source: WeightSource::Dummy {
+            config: config.clone(),
+            seed: DUMMY_SEED,
+            dtype,
+            device: device.clone(),
+        },
+        dense_weights: true,
     })
 }

@@ -4,6 +4,7 @@
 pub mod chat;
 pub mod config;
 pub mod fetch;
+pub mod fingerprint;
 pub mod hub;
 pub mod llama;
 pub mod load;

@@ -82,6 +82,11 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// Whether the weight stays in a quantized GGUF block type (candle's QMatMul).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.w, QMatMul::QTensor(_))
+    }
+
     /// `x`: [T, in] → [T, out].
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = self.w.forward(x)?;

@@ -1,0 +1,114 @@
+//! Prompt caches at the command line: opening a file for a prompt (with every check a user
+//! needs a clear one-line answer to), and writing one after a prefill.
+//!
+//! A cache is reused up to the longest common prefix of its tokens and the new prompt (at most
+//! all but the prompt's last two tokens); the rest of the prompt is prefilled. A cache that shares no
+//! leading token with the prompt is refused, as is one made by another model or stored in
+//! another format than this run would store those tokens in.
+
+use anyhow::{bail, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::engine::request::CachedPrefix;
+use crate::kv::cache::CacheConfig;
+use crate::kv::layer::LayerRows;
+use crate::kv::prompt_cache::{
+    reusable_prefix, save, ModelIdentity, PromptCacheFile, PromptCacheMeta,
+};
+use crate::model::load::LoadedModel;
+
+/// Opened prompt-cache files by path, so requests naming the same file share one mapping.
+#[derive(Default)]
+pub struct CacheFiles {
+    open: HashMap<PathBuf, Arc<PromptCacheFile>>,
+}
+
+impl CacheFiles {
+    /// The prefix of `prompt` that `path` provides, checked against the model and the cache
+    /// layout `cfg` this run uses.
+    pub fn prefix_for(
+        &mut self,
+        path: &Path,
+        prompt: &[u32],
+        model: &ModelIdentity,
+        cfg: &CacheConfig,
+    ) -> Result<CachedPrefix> {
+        let file = match self.open.get(path) {
+            Some(f) => f.clone(),
+            None => {
+                let f = Arc::new(PromptCacheFile::open(path)?);
+                self.open.insert(path.to_path_buf(), f.clone());
+                f
+            }
+        };
+        file.check_model(model)?;
+        let tokens = reusable_prefix(file.tokens(), prompt);
+        if tokens == 0 && prompt.len() <= 2 {
+            bail!(
+                "the prompt has {} tokens: too short to start from prompt cache {} (its last two \
+                 tokens are always computed)",
+                prompt.len(),
+                path.display()
+            );
+        }
+        if tokens == 0 {
+            let first = |t: &[u32]| t.first().map_or("nothing".into(), |x| format!("token {x}"));
+            bail!(
+                "prompt cache {} shares no leading tokens with this prompt (it starts with {}, \
+                 the prompt with {})",
+                path.display(),
+                first(file.tokens()),
+                first(prompt)
+            );
+        }
+        let hint = match &cfg.staging {
+            Some(st) if cfg.prefix_in_staging(tokens) => format!(
+                " (--quantized-kv-start {} keeps the first {tokens} tokens dense)",
+                st.tokens
+            ),
+            _ => " (save and use it with the same --kv-bits, --kv-group-size, \
+                  --kv-dense-layers and --dtype)"
+                .into(),
+        };
+        file.check_formats(&cfg.formats_for_prefix(tokens), &hint)?;
+        Ok(CachedPrefix { file, tokens })
+    }
+}
+
+/// Refuses to save where the cache could not hold the whole prompt (a sliding window shorter
+/// than the prompt drops its first tokens before the prefill ends).
+pub fn check_can_save(cfg: &CacheConfig, prompt_tokens: usize) -> Result<()> {
+    if let Some(w) = cfg.window {
+        if prompt_tokens >= w {
+            bail!(
+                "--save-prompt-cache needs the whole prompt in the KV cache, but the prompt has \
+                 {prompt_tokens} tokens and --max-kv-size keeps {w}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Writes `rows` (the prompt's K/V as stored) with what identifies them.
+pub fn write(
+    path: &Path,
+    m: &LoadedModel,
+    identity: &ModelIdentity,
+    prompt: &[u32],
+    rows: &[LayerRows],
+) -> Result<()> {
+    let meta = PromptCacheMeta {
+        fingerprint: identity.fingerprint.clone(),
+        model: m.description.clone(),
+        weights: identity.weights.clone(),
+        num_layers: identity.num_layers,
+        num_kv_heads: identity.num_kv_heads,
+        head_dim: identity.head_dim,
+        formats: rows.iter().map(LayerRows::format).collect(),
+        tokens: prompt.to_vec(),
+    };
+    save(path, &meta, rows)?;
+    Ok(())
+}

@@ -1,0 +1,733 @@
+//! Prompt-cache files: a prompt's KV history exactly as the cache stored it, in safetensors.
+//!
+//! One file holds per-token rows for every layer — dense rows as `L.k` / `L.v`
+//! (`[n, kv_heads*head_dim]`, the layer's dtype); quantized rows as `L.k.codes` (u32
+//! `[n, words]`), `L.k.scales`, `L.k.biases` (`[n, groups]`), same for `v`. Rows rather than
+//! blocks: the file does not depend on `--kv-block-size`, and any prefix of it can be imported.
+//! Quantized rows stay quantized, so importing them writes the very codes the saving run made
+//! (nothing is re-quantized, nothing drifts).
+//!
+//! The header's metadata (all strings) says what the rows belong to, and every field is checked
+//! before a file is used:
+//! - `kvq.prompt_cache`: format version ([`VERSION`]);
+//! - `kvq.fingerprint`: the weights' fingerprint (`crate::model::fingerprint`); `kvq.model`
+//!   names what was loaded (messages only);
+//! - `kvq.weights`: `quantized` (GGUF kept quantized) or `dense`: the two compute K/V differently;
+//! - `kvq.shape`: `layers,kv_heads,head_dim`;
+//! - `kvq.layers`: each layer's stored format (`dense:f32`, `affine:4:64:f16`, comma-separated);
+//! - `kvq.tokens`: the token ids (a JSON array), one per row.
+
+use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use super::layer::{KvFormat, LayerRows};
+use super::quant::{QuantFormat, Quantized};
+
+/// The file format version this code writes and reads.
+pub const VERSION: &str = "1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum PromptCacheError {
+    #[error("cannot read prompt cache {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a kvq prompt cache: {msg}")]
+    Invalid { path: PathBuf, msg: String },
+    #[error("prompt cache {path} {msg}")]
+    Mismatch { path: PathBuf, msg: String },
+    #[error("cannot write prompt cache {path}: {msg}")]
+    Write { path: PathBuf, msg: String },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, PromptCacheError>;
+
+/// What the rows belong to: everything a reader checks before using them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptCacheMeta {
+    pub fingerprint: String,
+    /// A human-readable name of the model (not checked).
+    pub model: String,
+    /// `quantized` or `dense` weights (see the module doc).
+    pub weights: String,
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Stored format of each layer's rows.
+    pub formats: Vec<KvFormat>,
+    /// One token id per row.
+    pub tokens: Vec<u32>,
+}
+
+/// The model a cache is about to be used with.
+#[derive(Debug, Clone)]
+pub struct ModelIdentity {
+    pub fingerprint: String,
+    pub weights: String,
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// A format as written in `kvq.layers`.
+pub fn format_tag(f: &KvFormat) -> String {
+    match f {
+        KvFormat::Dense(dt) => format!("dense:{}", dtype_name(*dt)),
+        KvFormat::Affine {
+            key,
+            value,
+            scale_dtype,
+            rotated,
+        } => format!(
+            "{}:{}/{}:{}:{}",
+            if *rotated { "rotated" } else { "affine" },
+            key.bits(),
+            value.bits(),
+            key.group_size(),
+            dtype_name(*scale_dtype)
+        ),
+        #[allow(unreachable_patterns)]
+        other => format!("{other:?}"),
+    }
+}
+
+/// A format as a person reads it in an error message.
+pub fn format_name(f: &KvFormat) -> String {
+    match f {
+        KvFormat::Dense(dt) => format!("dense {}", dtype_name(*dt)),
+        KvFormat::Affine {
+            key,
+            value,
+            scale_dtype,
+            rotated,
+        } => {
+            let width = if key == value {
+                format!("{key}")
+            } else {
+                format!("keys {key}, values {value}")
+            };
+            let scheme = if *rotated { "rotated" } else { "affine" };
+            format!("{scheme} {width} with {} scales", dtype_name(*scale_dtype))
+        }
+        #[allow(unreachable_patterns)]
+        other => format!("{other:?}"),
+    }
+}
+
+fn parse_format(tag: &str) -> Option<KvFormat> {
+    let parts: Vec<&str> = tag.split(':').collect();
+    match parts.as_slice() {
+        ["dense", dt] => Some(KvFormat::Dense(parse_dtype(dt)?)),
+        [scheme @ ("affine" | "rotated"), bits, group, dt] => {
+            let (k, v) = bits.split_once('/')?;
+            let g: usize = group.parse().ok()?;
+            Some(KvFormat::Affine {
+                key: QuantFormat::new(k.parse().ok()?, g).ok()?,
+                value: QuantFormat::new(v.parse().ok()?, g).ok()?,
+                scale_dtype: parse_dtype(dt)?,
+                rotated: *scheme == "rotated",
+            })
+        }
+        _ => None,
+    }
+}
+
+fn dtype_name(dt: DType) -> &'static str {
+    dt.as_str()
+}
+
+fn parse_dtype(s: &str) -> Option<DType> {
+    match s {
+        "f32" => Some(DType::F32),
+        "f16" => Some(DType::F16),
+        "bf16" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// The tensors of one layer: (name, columns, dtype) in file order.
+fn layer_tensors(l: usize, f: &KvFormat, width: usize) -> Vec<(String, usize, DType)> {
+    let mut out = Vec::new();
+    for kv in ["k", "v"] {
+        match f {
+            KvFormat::Affine {
+                key,
+                value,
+                scale_dtype,
+                ..
+            } => {
+                let fmt = if kv == "k" { key } else { value };
+                out.push((
+                    format!("{l}.{kv}.codes"),
+                    fmt.words_per_row(width),
+                    DType::U32,
+                ));
+                out.push((
+                    format!("{l}.{kv}.scales"),
+                    fmt.groups_per_row(width),
+                    *scale_dtype,
+                ));
+                out.push((
+                    format!("{l}.{kv}.biases"),
+                    fmt.groups_per_row(width),
+                    *scale_dtype,
+                ));
+            }
+            other => out.push((format!("{l}.{kv}"), width, dense_dtype(other))),
+        }
+    }
+    out
+}
+
+fn dense_dtype(f: &KvFormat) -> DType {
+    match f {
+        KvFormat::Dense(dt) => *dt,
+        _ => DType::F32,
+    }
+}
+
+/// Writes `rows` (one entry per layer, one row per token of `meta.tokens`) to `path`: to a
+/// temporary file first, then renamed, so a reader never sees half a file.
+pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<()> {
+    let fail = |msg: String| PromptCacheError::Write {
+        path: path.to_path_buf(),
+        msg,
+    };
+    if rows.len() != meta.num_layers || meta.formats.len() != meta.num_layers {
+        return Err(fail(format!(
+            "{} layers of rows and {} formats for {} layers",
+            rows.len(),
+            meta.formats.len(),
+            meta.num_layers
+        )));
+    }
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (l, (r, f)) in rows.iter().zip(&meta.formats).enumerate() {
+        if r.format() != *f || r.len()? != meta.tokens.len() {
+            return Err(fail(format!(
+                "layer {l} holds {} rows as {}, expected {} as {}",
+                r.len()?,
+                format_name(&r.format()),
+                meta.tokens.len(),
+                format_name(f)
+            )));
+        }
+        let cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.contiguous();
+        match r {
+            LayerRows::Dense { k, v } => {
+                tensors.push((format!("{l}.k"), cpu(k)?));
+                tensors.push((format!("{l}.v"), cpu(v)?));
+            }
+            LayerRows::Affine { k, v, .. } => {
+                for (kv, q) in [("k", k), ("v", v)] {
+                    tensors.push((format!("{l}.{kv}.codes"), cpu(&q.codes)?));
+                    tensors.push((format!("{l}.{kv}.scales"), cpu(&q.scales)?));
+                    tensors.push((format!("{l}.{kv}.biases"), cpu(&q.biases)?));
+                }
+            }
+        }
+    }
+    let tokens = serde_json::to_string(&meta.tokens).map_err(|e| fail(e.to_string()))?;
+    let header: HashMap<String, String> = [
+        ("kvq.prompt_cache", VERSION.to_string()),
+        ("kvq.fingerprint", meta.fingerprint.clone()),
+        ("kvq.model", meta.model.clone()),
+        ("kvq.weights", meta.weights.clone()),
+        (
+            "kvq.shape",
+            format!(
+                "{},{},{}",
+                meta.num_layers, meta.num_kv_heads, meta.head_dim
+            ),
+        ),
+        (
+            "kvq.layers",
+            meta.formats
+                .iter()
+                .map(format_tag)
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
+        ("kvq.tokens", tokens),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    safetensors::tensor::serialize_to_file(
+        tensors.iter().map(|(n, t)| (n.as_str(), t)),
+        Some(header),
+        &tmp,
+    )
+    .map_err(|e| fail(e.to_string()))?;
+    std::fs::rename(&tmp, path).map_err(|e| fail(e.to_string()))
+}
+
+/// An opened, checked prompt-cache file. The data stays memory-mapped until rows are loaded, so
+/// many requests can share one file and long histories are not copied twice.
+pub struct PromptCacheFile {
+    path: PathBuf,
+    meta: PromptCacheMeta,
+    mmap: memmap2::Mmap,
+}
+
+impl std::fmt::Debug for PromptCacheFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptCacheFile")
+            .field("path", &self.path)
+            .field("meta", &self.meta)
+            .finish()
+    }
+}
+
+impl PromptCacheFile {
+    /// Opens `path` and checks that its header and tensors are a complete, consistent cache.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|source| PromptCacheError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        // SAFETY: the file is not modified while mapped (the usual safetensors contract; a
+        // prompt cache is written to a temporary file and renamed, never rewritten in place).
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| PromptCacheError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let meta = read_meta(path, &mmap)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            meta,
+            mmap,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn meta(&self) -> &PromptCacheMeta {
+        &self.meta
+    }
+
+    /// Saved tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.meta.tokens
+    }
+
+    fn mismatch(&self, msg: String) -> PromptCacheError {
+        PromptCacheError::Mismatch {
+            path: self.path.clone(),
+            msg,
+        }
+    }
+
+    /// Refuses a cache made by another model (shape, weights fingerprint, or weight mode).
+    pub fn check_model(&self, m: &ModelIdentity) -> Result<()> {
+        let s = &self.meta;
+        let (a, b) = (
+            (s.num_layers, s.num_kv_heads, s.head_dim),
+            (m.num_layers, m.num_kv_heads, m.head_dim),
+        );
+        if a != b {
+            return Err(self.mismatch(format!(
+                "was saved for a model of {} layers x {} KV heads x head_dim {}, this one has \
+                 {} x {} x {}",
+                a.0, a.1, a.2, b.0, b.1, b.2
+            )));
+        }
+        if s.fingerprint != m.fingerprint {
+            return Err(self.mismatch(format!(
+                "was saved with other weights: model fingerprint {} (from {}), this model's is {}",
+                short(&s.fingerprint),
+                s.model,
+                short(&m.fingerprint)
+            )));
+        }
+        if s.weights != m.weights {
+            return Err(self.mismatch(format!(
+                "was computed with {} weights, this run uses {} weights (--dequantize must match)",
+                s.weights, m.weights
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses a cache whose rows are not stored the way this run stores the first tokens of a
+    /// sequence (`want`, one format per layer; see `PagedKvCache::formats_for_prefix`).
+    pub fn check_formats(&self, want: &[KvFormat], hint: &str) -> Result<()> {
+        if want.len() != self.meta.formats.len() {
+            return Err(self.mismatch(format!(
+                "has {} layers, this cache {}",
+                self.meta.formats.len(),
+                want.len()
+            )));
+        }
+        for (l, (have, want)) in self.meta.formats.iter().zip(want).enumerate() {
+            if have != want {
+                return Err(self.mismatch(format!(
+                    "stores the KV cache in another format: layer {l} is {}, this run keeps it \
+                     as {}{hint}",
+                    format_name(have),
+                    format_name(want)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The first `n` rows of every layer, on `device`, as stored.
+    pub fn load_rows(&self, n: usize, device: &Device) -> Result<Vec<LayerRows>> {
+        let total = self.meta.tokens.len();
+        if n > total {
+            return Err(self.mismatch(format!("holds {total} tokens, {n} were asked for")));
+        }
+        let st = SafeTensors::deserialize(&self.mmap).map_err(|e| self.invalid(e.to_string()))?;
+        let width = self.meta.num_kv_heads * self.meta.head_dim;
+        let load = |name: &str, cols: usize, dtype: DType| -> Result<Tensor> {
+            let view = st.tensor(name).map_err(|e| self.invalid(e.to_string()))?;
+            let bytes = n * cols * dtype.size_in_bytes();
+            Ok(Tensor::from_raw_buffer(
+                &view.data()[..bytes],
+                dtype,
+                &[n, cols],
+                device,
+            )?)
+        };
+        let mut out = Vec::with_capacity(self.meta.num_layers);
+        for (l, f) in self.meta.formats.iter().enumerate() {
+            let t = layer_tensors(l, f, width);
+            let get = |i: usize| load(&t[i].0, t[i].1, t[i].2);
+            out.push(match f {
+                KvFormat::Affine {
+                    key,
+                    value,
+                    rotated,
+                    ..
+                } => LayerRows::Affine {
+                    kfmt: *key,
+                    vfmt: *value,
+                    rotated: *rotated,
+                    k: Quantized {
+                        codes: get(0)?,
+                        scales: get(1)?,
+                        biases: get(2)?,
+                    },
+                    v: Quantized {
+                        codes: get(3)?,
+                        scales: get(4)?,
+                        biases: get(5)?,
+                    },
+                },
+                _ => LayerRows::Dense {
+                    k: get(0)?,
+                    v: get(1)?,
+                },
+            });
+        }
+        Ok(out)
+    }
+
+    fn invalid(&self, msg: String) -> PromptCacheError {
+        PromptCacheError::Invalid {
+            path: self.path.clone(),
+            msg,
+        }
+    }
+}
+
+/// How many leading tokens of a saved cache a prompt can reuse: the longest common prefix, but
+/// at most all but the prompt's last two tokens. The last one must run through the model to give
+/// the first logits; leaving two keeps that rest on the prefill path, which computes it exactly
+/// as a run without the cache does (one lone token would take the decode kernel, whose rounding
+/// differs).
+pub fn reusable_prefix(saved: &[u32], prompt: &[u32]) -> usize {
+    let common = saved.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+    common.min(prompt.len().saturating_sub(2))
+}
+
+fn short(fingerprint: &str) -> &str {
+    &fingerprint[..fingerprint.len().min(16)]
+}
+
+/// Parses and checks the header: metadata, then every tensor's dtype and shape.
+fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
+    let invalid = |msg: String| PromptCacheError::Invalid {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let st = SafeTensors::deserialize(bytes).map_err(|e| invalid(format!("{e}")))?;
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| invalid(format!("{e}")))?;
+    let md = header
+        .metadata()
+        .as_ref()
+        .ok_or_else(|| invalid("no metadata in the header".into()))?;
+    let field = |k: &str| -> Result<&String> {
+        md.get(k)
+            .ok_or_else(|| invalid(format!("the header has no \"{k}\"")))
+    };
+    let version = field("kvq.prompt_cache")?;
+    if version != VERSION {
+        return Err(invalid(format!(
+            "format version {version}, this kvq reads version {VERSION}"
+        )));
+    }
+    let shape: Vec<usize> = field("kvq.shape")?
+        .split(',')
+        .map(|s| s.trim().parse())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| invalid("bad \"kvq.shape\"".into()))?;
+    let [num_layers, num_kv_heads, head_dim] = shape[..] else {
+        return Err(invalid(
+            "\"kvq.shape\" must be layers,kv_heads,head_dim".into(),
+        ));
+    };
+    let formats = field("kvq.layers")?
+        .split(',')
+        .map(|t| parse_format(t).ok_or_else(|| invalid(format!("unknown layer format '{t}'"))))
+        .collect::<Result<Vec<_>>>()?;
+    if formats.len() != num_layers {
+        return Err(invalid(format!(
+            "{} layer formats for {num_layers} layers",
+            formats.len()
+        )));
+    }
+    let tokens: Vec<u32> = serde_json::from_str(field("kvq.tokens")?)
+        .map_err(|e| invalid(format!("bad \"kvq.tokens\": {e}")))?;
+    let width = num_kv_heads * head_dim;
+    let mut expected = 0;
+    for (l, f) in formats.iter().enumerate() {
+        if let KvFormat::Affine { key, value, .. } = f {
+            for fmt in [key, value] {
+                fmt.check_dim(head_dim)
+                    .map_err(|e| invalid(format!("layer {l}: {e}")))?;
+            }
+        }
+        for (name, cols, dtype) in layer_tensors(l, f, width) {
+            let view = st
+                .tensor(&name)
+                .map_err(|_| invalid(format!("tensor {name} is missing")))?;
+            let want_shape = [tokens.len(), cols];
+            if view.dtype() != StDtype::from(dtype) || view.shape() != want_shape {
+                return Err(invalid(format!(
+                    "tensor {name} is {:?} {:?}, expected {:?} {want_shape:?}",
+                    view.dtype(),
+                    view.shape(),
+                    StDtype::from(dtype)
+                )));
+            }
+            expected += 1;
+        }
+    }
+    if st.len() != expected {
+        return Err(invalid(format!(
+            "{} tensors, expected {expected}",
+            st.len()
+        )));
+    }
+    Ok(PromptCacheMeta {
+        fingerprint: field("kvq.fingerprint")?.clone(),
+        model: md.get("kvq.model").cloned().unwrap_or_default(),
+        weights: field("kvq.weights")?.clone(),
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        formats,
+        tokens,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::cache::{CacheConfig, PagedKvCache};
+
+    fn identity() -> ModelIdentity {
+        ModelIdentity {
+            fingerprint: "abc123".into(),
+            weights: "dense".into(),
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 32,
+        }
+    }
+
+    /// A 2-layer cache in `fmt` holding `n` tokens of sequence 0.
+    fn cache_with(fmt: KvFormat, n: usize) -> PagedKvCache {
+        let mut cfg = CacheConfig::dense(2, 2, 32, 4, 16, DType::F32);
+        cfg.formats = vec![fmt; 2];
+        let mut c = PagedKvCache::new(cfg, &Device::Cpu).unwrap();
+        c.add_sequence(0).unwrap();
+        c.reserve(0, n).unwrap();
+        let x = Tensor::arange(0f32, (n * 64) as f32, &Device::Cpu)
+            .unwrap()
+            .affine(0.013, -1.0)
+            .unwrap()
+            .sin()
+            .unwrap()
+            .reshape((n, 64))
+            .unwrap();
+        for l in 0..2 {
+            c.write(l, 0, 0, &x, &x.cos().unwrap()).unwrap();
+        }
+        c.advance(0, n).unwrap();
+        c
+    }
+
+    fn meta(fmt: KvFormat, n: usize) -> PromptCacheMeta {
+        let id = identity();
+        PromptCacheMeta {
+            fingerprint: id.fingerprint,
+            model: "test".into(),
+            weights: id.weights,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 32,
+            formats: vec![fmt; 2],
+            tokens: (100..100 + n as u32).collect(),
+        }
+    }
+
+    fn q4() -> KvFormat {
+        KvFormat::Affine {
+            fmt: QuantFormat::new(4, 32).unwrap(),
+            scale_dtype: DType::F32,
+        }
+    }
+
+    #[test]
+    fn save_open_load_round_trips_stored_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        for fmt in [KvFormat::Dense(DType::F32), q4()] {
+            let c = cache_with(fmt, 9);
+            let rows = c.export_rows(0).unwrap();
+            let path = dir.path().join("p.safetensors");
+            save(&path, &meta(fmt, 9), &rows).unwrap();
+            let f = PromptCacheFile::open(&path).unwrap();
+            assert_eq!(f.meta(), &meta(fmt, 9));
+            f.check_model(&identity()).unwrap();
+            f.check_formats(&[fmt, fmt], "").unwrap();
+            // Importing 5 of the 9 rows gives exactly the first 5 stored rows.
+            let part = f.load_rows(5, &Device::Cpu).unwrap();
+            let mut d = PagedKvCache::new(c.config().clone(), &Device::Cpu).unwrap();
+            d.add_sequence(3).unwrap();
+            d.import_rows(3, &part, 2).unwrap();
+            let back = d.export_rows(3).unwrap();
+            for (a, b) in back.iter().zip(&rows) {
+                let b = b.narrow(0, 5).unwrap();
+                let (ta, tb) = match (a, &b) {
+                    (LayerRows::Dense { k, v }, LayerRows::Dense { k: k2, v: v2 }) => {
+                        (vec![k, v], vec![k2, v2])
+                    }
+                    (LayerRows::Affine { k, v, .. }, LayerRows::Affine { k: k2, v: v2, .. }) => (
+                        vec![&k.codes, &k.scales, &v.codes, &v.biases],
+                        vec![&k2.codes, &k2.scales, &v2.codes, &v2.biases],
+                    ),
+                    _ => panic!("format changed"),
+                };
+                for (x, y) in ta.iter().zip(tb) {
+                    let x: Vec<f64> = x
+                        .flatten_all()
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let y: Vec<f64> = y
+                        .flatten_all()
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    assert_eq!(x, y);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_other_models_formats_and_damaged_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        save(
+            &path,
+            &meta(q4(), 6),
+            &cache_with(q4(), 6).export_rows(0).unwrap(),
+        )
+        .unwrap();
+        let f = PromptCacheFile::open(&path).unwrap();
+
+        let e = f
+            .check_model(&ModelIdentity {
+                fingerprint: "ffff".into(),
+                ..identity()
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("fingerprint abc123") && e.contains("ffff"),
+            "{e}"
+        );
+        let e = f
+            .check_model(&ModelIdentity {
+                head_dim: 64,
+                ..identity()
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("head_dim 32") && e.contains("2 x 2 x 64"), "{e}");
+        let e = f
+            .check_model(&ModelIdentity {
+                weights: "quantized".into(),
+                ..identity()
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--dequantize"), "{e}");
+        let q8 = KvFormat::Affine {
+            fmt: QuantFormat::new(8, 32).unwrap(),
+            scale_dtype: DType::F32,
+        };
+        let e = f.check_formats(&[q8, q8], "").unwrap_err().to_string();
+        assert!(
+            e.contains("layer 0 is 4-bit/g32 with f32 scales")
+                && e.contains("keeps it as 8-bit/g32 with f32 scales"),
+            "{e}"
+        );
+
+        // Cut short, or not a prompt cache at all: refused on open with the file's name.
+        let bytes = std::fs::read(&path).unwrap();
+        let cut = dir.path().join("cut.safetensors");
+        std::fs::write(&cut, &bytes[..bytes.len() - 10]).unwrap();
+        let e = PromptCacheFile::open(&cut).unwrap_err().to_string();
+        assert!(
+            e.contains("cut.safetensors") && e.contains("not a kvq prompt cache"),
+            "{e}"
+        );
+        let other = dir.path().join("other.safetensors");
+        candle_core::safetensors::save(
+            &HashMap::from([("w", Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap())]),
+            &other,
+        )
+        .unwrap();
+        assert!(PromptCacheFile::open(&other).is_err());
+        assert!(PromptCacheFile::open(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn reuse_is_the_common_prefix_short_of_the_last_two_tokens() {
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3, 4, 5]), 3);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3, 4]), 2);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3]), 1);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 9, 3, 4]), 1);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[7, 2, 5]), 0);
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2]), 0);
+    }
+}

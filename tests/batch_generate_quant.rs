@@ -1,0 +1,283 @@
+//! Greedy batched generation with a quantized KV cache (`--kv-bits 8` and `4`) against each
+//! request alone with the same cache setting (a max-batch-1 engine, what `kvq generate` runs):
+//! max batch 8 with prefill chunks of 32, so prompt chunks and other requests' decode steps share
+//! forward passes and requests join and leave mid-run.
+//!
+//! - Quantization does not depend on the batch: every prompt's layer-0 K/V (whose inputs are
+//!   per-row projections of its own tokens) are stored with bit-identical codes, scales and
+//!   biases batched and alone.
+//! - 8-bit: at least all but one prompt identical in full, any difference a near-tie (top-1/top-2
+//!   margin < 1e-2 alone: see the assertion), identical prompts identical.
+//! - 4-bit: measured and printed (prompts identical in full, first differing step and its margin,
+//!   per-layer K/V identity); deeper layers still pick up float noise from batching, which 4-bit
+//!   g64 codes on this model turn into other tokens, so only a floor is asserted until the
+//!   kernels are batch-invariant.
+//!
+//! Smaller than `batch_generate_greedy` to keep CI time modest: the 12 reference prompts and 30
+//! random ones (every fifth a repeat), 12 new tokens each, per setting.
+
+mod common;
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use kvq::cli::args::{DTypeArg, LoadFormat, ModelArgs};
+use kvq::engine::request::{Event, Request};
+use kvq::engine::sampler::SamplingParams;
+use kvq::engine::scheduler::{Engine, EngineConfig};
+use kvq::kv::cache::{CacheConfig, PagedKvCache};
+use kvq::kv::layer::{KvFormat, LayerRows};
+use kvq::kv::quant::QuantFormat;
+use kvq::model::llama::{LogitsFor, SeqInput};
+use kvq::model::load::{load, LoadedModel};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+
+const NEW_TOKENS: usize = 12;
+
+fn quant_cache(m: &LoadedModel, bits: u32, blocks: usize) -> PagedKvCache {
+    let c = m.model.config();
+    let mut cfg = CacheConfig::dense(
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        16,
+        blocks,
+        DType::F32,
+    );
+    cfg.formats = vec![
+        KvFormat::Affine {
+            fmt: QuantFormat::new(bits, 64).unwrap(),
+            scale_dtype: DType::F32,
+        };
+        c.num_layers
+    ];
+    PagedKvCache::new(cfg, &Device::Cpu).unwrap()
+}
+
+/// Every stored value of a prompt's rows (codes as integers), flattened, per layer.
+fn stored(rows: &[LayerRows]) -> Vec<Vec<f64>> {
+    let flat = |t: &Tensor| -> Vec<f64> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    rows.iter()
+        .map(|r| match r {
+            LayerRows::Affine { k, v, .. } => [k, v]
+                .iter()
+                .flat_map(|q| [flat(&q.codes), flat(&q.scales), flat(&q.biases)])
+                .flatten()
+                .collect::<Vec<_>>(),
+            LayerRows::Dense { .. } => panic!("expected a quantized cache"),
+        })
+        .collect()
+}
+
+struct RunOut {
+    tokens: Vec<u32>,
+    prompt_rows: Vec<Vec<f64>>,
+}
+
+/// Runs `prompts` through one engine; returns each one's tokens and stored prompt rows.
+fn run(
+    m: &LoadedModel,
+    bits: u32,
+    prompts: &[Vec<u32>],
+    cfg: EngineConfig,
+    blocks: usize,
+) -> Vec<RunOut> {
+    let max_batch = cfg.max_batch;
+    let mut engine = Engine::new(&m.model, quant_cache(m, bits, blocks), cfg).unwrap();
+    let eos = m.tokenizer.eos_token_ids().to_vec();
+    let mut ids = Vec::new();
+    for p in prompts {
+        let id = engine
+            .add(Request {
+                prompt: p.clone(),
+                params: SamplingParams::greedy(),
+                max_tokens: NEW_TOKENS,
+                eos: eos.clone(),
+            })
+            .unwrap();
+        engine.keep_prompt_kv(id);
+        ids.push(id);
+    }
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut rows: HashMap<u64, Vec<Vec<f64>>> = HashMap::new();
+    let mut peak_running = 0;
+    while engine.has_work() {
+        for ev in engine.step().unwrap() {
+            if let Event::Token { id, token } = ev {
+                tokens.entry(id).or_default().push(token);
+            }
+        }
+        peak_running = peak_running.max(engine.num_running());
+        for &id in &ids {
+            if let Some(r) = engine.take_prompt_kv(id) {
+                rows.insert(id, stored(&r));
+            }
+        }
+    }
+    assert!(peak_running <= max_batch);
+    ids.iter()
+        .map(|id| RunOut {
+            tokens: tokens.remove(id).unwrap(),
+            prompt_rows: rows.remove(id).unwrap(),
+        })
+        .collect()
+}
+
+/// Top-1 minus top-2 logit after `prefix`, computed alone with the same cache setting.
+fn margin_after(m: &LoadedModel, bits: u32, prefix: &[u32]) -> f32 {
+    let mut cache = quant_cache(m, bits, prefix.len().div_ceil(16) + 1);
+    cache.add_sequence(0).unwrap();
+    cache.reserve(0, prefix.len()).unwrap();
+    let inp = [SeqInput {
+        seq: 0,
+        tokens: prefix.to_vec(),
+    }];
+    let logits = m.model.forward(&inp, &mut cache, LogitsFor::Last).unwrap();
+    let mut row: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+    row.sort_by(|a, b| b.total_cmp(a));
+    row[0] - row[1]
+}
+
+/// The reference prompts and random cuts of real text (every fifth one repeats an earlier one),
+/// interleaved so they share batches.
+fn prompts() -> Vec<Vec<u32>> {
+    let refs: Vec<Vec<u32>> = greedy_cases()
+        .iter()
+        .map(|c| ids(&c["input_ids"]))
+        .collect();
+    let corpus_path = reference_dir().join("corpus-first65536-token-ids.txt");
+    let corpus: Vec<u32> = std::fs::read_to_string(&corpus_path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", corpus_path.display()))
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut random: Vec<Vec<u32>> = Vec::new();
+    for i in 0..30 {
+        let p = if i % 5 == 4 {
+            random[rng.random_range(0..random.len())].clone()
+        } else {
+            let len = rng.random_range(1..=120);
+            let at = rng.random_range(0..corpus.len() - len);
+            corpus[at..at + len].to_vec()
+        };
+        random.push(p);
+    }
+    let mut mixed = Vec::new();
+    let mut refs = refs.into_iter();
+    for (i, r) in random.into_iter().enumerate() {
+        mixed.push(r);
+        if i % 2 == 0 {
+            mixed.extend(refs.next());
+        }
+    }
+    mixed.extend(refs);
+    mixed
+}
+
+#[test]
+fn quantized_batched_greedy_equals_alone() {
+    let args = ModelArgs {
+        model: None,
+        load_format: LoadFormat::Auto,
+        config: None,
+        tokenizer: None,
+        dtype: Some(DTypeArg::F32),
+        dequantize: true,
+    };
+    let m = load(&args, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    assert_eq!(prompts.len(), 42);
+    for bits in [8, 4] {
+        let batched = run(
+            &m,
+            bits,
+            &prompts,
+            EngineConfig {
+                max_batch: 8,
+                prefill_chunk: 32,
+            },
+            8 * 10,
+        );
+        let alone: Vec<RunOut> = prompts
+            .iter()
+            .map(|p| {
+                let blocks = (p.len() + NEW_TOKENS).div_ceil(16) + 1;
+                run(
+                    &m,
+                    bits,
+                    std::slice::from_ref(p),
+                    EngineConfig::default(),
+                    blocks,
+                )
+                .remove(0)
+            })
+            .collect();
+
+        let mut same = 0;
+        let layers = m.model.config().num_layers;
+        let mut layer_same = vec![0usize; layers];
+        let mut worst_margin = 0f32;
+        for (i, ((b, a), p)) in batched.iter().zip(&alone).zip(&prompts).enumerate() {
+            for (l, n) in layer_same.iter_mut().enumerate() {
+                *n += usize::from(a.prompt_rows[l] == b.prompt_rows[l]);
+            }
+            if a.tokens == b.tokens {
+                same += 1;
+                continue;
+            }
+            let d = a
+                .tokens
+                .iter()
+                .zip(&b.tokens)
+                .position(|(x, y)| x != y)
+                .unwrap_or(a.tokens.len().min(b.tokens.len()));
+            let mut prefix = p.clone();
+            prefix.extend(&a.tokens[..d]);
+            let margin = margin_after(&m, bits, &prefix);
+            worst_margin = worst_margin.max(margin);
+            eprintln!("{bits}-bit: prompt {i}: first difference at step {d}, margin {margin:e}");
+        }
+        let n = prompts.len();
+        eprintln!(
+            "{bits}-bit: batched = alone in full for {same}/{n}; prompts whose stored K/V are \
+             bit-identical batched and alone, per layer: {layer_same:?}"
+        );
+        // Layer 0's K/V inputs do not depend on the batch (per-row projections of the prompt's
+        // own embeddings), so equal codes there show the quantization does not either.
+        assert_eq!(
+            layer_same[0], n,
+            "{bits}-bit: layer-0 codes depend on the batch"
+        );
+        if bits == 8 {
+            assert!(same + 1 >= n, "{bits}-bit: only {same}/{n} identical");
+            // Decoding alone takes candle's one-row matmul path, which rounds differently from
+            // the matrix path of batched rows; 8-bit codes turn that last-bit noise into logit
+            // changes of ~1e-3, so a near-tie here is a margin below 1e-2.
+            assert!(
+                worst_margin < 1e-2,
+                "{bits}-bit: a difference at margin {worst_margin}"
+            );
+            for (i, p) in prompts.iter().enumerate() {
+                for (j, q) in prompts.iter().enumerate().skip(i + 1) {
+                    if p == q {
+                        assert_eq!(batched[i].tokens, batched[j].tokens, "copies {i}, {j}");
+                    }
+                }
+            }
+        } else {
+            // Not batch-invariant yet: deeper layers' K/V pick up float noise from batching
+            // (layers >= 1 differ for some prompts), and 4-bit g64 codes on this model turn a
+            // flipped code into a different token (margins ~0.1-1). A floor against regressions
+            // until the kernels are batch-invariant; the differences are printed above.
+            assert!(3 * same >= 2 * n, "{bits}-bit: only {same}/{n} identical");
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! Prompt caches end to end on the default model (greedy, f32, dequantized weights): a prompt
+//! saved with `generate --save-prompt-cache` and reused by a longer prompt, by the same prompt,
+//! and by requests of a running `batch-generate`, gives exactly the tokens of a run without the
+//! cache — dense and 4-bit (the 4-bit cache holds the saving run's codes, imported as they are).
+//! Files of another KV format, other weights, or damaged ones are refused with one line.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+// Saved prompts of at least 12 tokens: candle's CPU matmul rounds differently for attention over
+// fewer keys (another kernel path), so a shorter saved prefill would store K/V that differ in
+// the last bits from the same tokens inside a longer prefill (and 4-bit codes can flip on that).
+const SHORT: &str =
+    "The history of the Roman Empire is long and complicated. It began when Augustus";
+const LONG: &str =
+    "The history of the Roman Empire is long and complicated. It began when Augustus \
+                    became the first emperor, and it";
+const SHORT_B: &str = "A good recipe for bread needs flour, water, salt and yeast. First, mix the";
+const LONG_B: &str = "A good recipe for bread needs flour, water, salt and yeast. First, mix the \
+                      flour with warm water and let it rest for an hour. Then";
+
+/// `generate` greedy f32 with `--json` on a raw prompt; panics unless it succeeds.
+fn generate(prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
+    let max = max_tokens.to_string();
+    let mut args = vec![
+        "generate",
+        "--temp",
+        "0",
+        "--dtype",
+        "f32",
+        "--dequantize",
+        "--max-tokens",
+        &max,
+        "--json",
+        "--raw",
+    ];
+    args.extend(extra);
+    args.push(prompt);
+    let o = kvq(&args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// `generate` that must fail; returns its one-line error.
+fn generate_err(prompt: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "generate",
+        "--temp",
+        "0",
+        "--dtype",
+        "f32",
+        "--dequantize",
+        "--max-tokens",
+        "4",
+        "--raw",
+    ];
+    args.extend(extra);
+    args.push(prompt);
+    let o = kvq(&args);
+    assert_eq!(o.status.code(), Some(1), "{args:?} should fail");
+    let e = stderr(&o);
+    assert_eq!(e.trim_end().lines().count(), 1, "one line: {e}");
+    e
+}
+
+fn save(dir: &Path, name: &str, prompt: &str, kv: &[&str]) -> (PathBuf, Vec<u32>) {
+    let path = dir.join(name);
+    let mut extra = kv.to_vec();
+    extra.extend(["--save-prompt-cache", path.to_str().unwrap()]);
+    let out = generate(prompt, 2, &extra);
+    assert!(path.is_file());
+    (path, ids(&out["prompt_tokens"]))
+}
+
+#[test]
+fn generate_from_a_prompt_cache_equals_a_fresh_run() {
+    let dir = tempfile::tempdir().unwrap();
+    for kv in [&[][..], &["--kv-bits", "4"][..]] {
+        let (file, saved) = save(dir.path(), "short.safetensors", SHORT, kv);
+        let mut with = kv.to_vec();
+        with.extend(["--prompt-cache", file.to_str().unwrap()]);
+
+        // A longer prompt that extends the saved one: only the rest is prefilled.
+        let fresh = generate(LONG, 24, kv);
+        let cached = generate(LONG, 24, &with);
+        let prompt = ids(&cached["prompt_tokens"]);
+        assert_eq!(
+            prompt[..saved.len()],
+            saved[..],
+            "{kv:?}: the saved prompt is a prefix"
+        );
+        assert_eq!(cached["stats"]["cached_tokens"], saved.len());
+        assert_eq!(
+            cached["stats"]["prompt_tokens"].as_u64().unwrap() as usize,
+            prompt.len() - saved.len()
+        );
+        assert_eq!(fresh["stats"]["cached_tokens"], 0);
+        assert_eq!(
+            ids(&cached["tokens"]),
+            ids(&fresh["tokens"]),
+            "{kv:?}: with vs without the prompt cache"
+        );
+
+        // Why: the saved rows are the very rows (codes) a prefill of the longer prompt stores.
+        let (long_file, _) = save(dir.path(), "long.safetensors", LONG, kv);
+        assert_eq!(
+            leading_rows(&file, saved.len()),
+            leading_rows(&long_file, saved.len()),
+            "{kv:?}: stored rows of the shared tokens"
+        );
+
+        // The very same prompt: all but its last two tokens come from the cache.
+        let fresh = generate(SHORT, 12, kv);
+        let cached = generate(SHORT, 12, &with);
+        assert_eq!(cached["stats"]["cached_tokens"], saved.len() - 2);
+        assert_eq!(
+            ids(&cached["tokens"]),
+            ids(&fresh["tokens"]),
+            "{kv:?}: same prompt"
+        );
+
+        // Saving again from a cached run writes the whole new prompt.
+        let again = dir.path().join("again.safetensors");
+        with.extend(["--save-prompt-cache", again.to_str().unwrap()]);
+        generate(LONG, 1, &with);
+        let mut from_again = kv.to_vec();
+        from_again.extend(["--prompt-cache", again.to_str().unwrap()]);
+        let out = generate(LONG, 1, &from_again);
+        assert_eq!(
+            out["stats"]["cached_tokens"].as_u64().unwrap() as usize,
+            prompt.len() - 2
+        );
+    }
+}
+
+#[test]
+fn batch_requests_start_from_their_prompt_caches() {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = ["--kv-bits", "4"];
+    let (a, _) = save(dir.path(), "a.safetensors", SHORT, &kv);
+    let (b, _) = save(dir.path(), "b.safetensors", SHORT_B, &kv);
+    let line = |id: &str, prompt: &str, cache: Option<&Path>| {
+        let mut v = serde_json::json!({"id": id, "prompt": prompt, "max_tokens": 16});
+        if let Some(c) = cache {
+            v["prompt_cache"] = Value::from(c.to_str().unwrap());
+        }
+        v.to_string()
+    };
+    let input = dir.path().join("in.jsonl");
+    let lines = [
+        line("long-a", LONG, Some(&a)),
+        line("long-b", LONG_B, Some(&b)),
+        line("plain", LONG, None),
+        line("short-a", SHORT, Some(&a)),
+        line("long-a-again", LONG, Some(&a)),
+    ];
+    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+    let out = dir.path().join("out.jsonl");
+    let mut args = vec![
+        "batch-generate",
+        input.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--raw",
+        "--temp",
+        "0",
+        "--dtype",
+        "f32",
+        "--dequantize",
+        "--no-progress",
+        // Requests join a running batch: imports, prompt rests and decode steps share passes.
+        "--max-batch",
+        "3",
+    ];
+    args.extend(kv);
+    let o = kvq(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&out).unwrap();
+    let recs: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(recs.len(), 5);
+    let get = |id: &str| recs.iter().find(|r| r["id"] == id).unwrap().clone();
+    for (id, prompt) in [
+        ("long-a", LONG),
+        ("long-b", LONG_B),
+        ("plain", LONG),
+        ("short-a", SHORT),
+        ("long-a-again", LONG),
+    ] {
+        let r = get(id);
+        let alone = generate(prompt, 16, &kv);
+        assert_eq!(
+            ids(&r["tokens"]),
+            ids(&alone["tokens"]),
+            "{id}: batch vs alone"
+        );
+        assert_eq!(r.get("cached_tokens").is_some(), id != "plain", "{id}");
+    }
+    assert!(get("long-a")["cached_tokens"].as_u64().unwrap() > 5);
+}
+
+#[test]
+fn other_formats_weights_and_damaged_files_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dense, _) = save(dir.path(), "dense.safetensors", SHORT, &[]);
+    let (q4, _) = save(dir.path(), "q4.safetensors", SHORT, &["--kv-bits", "4"]);
+    let use_ = |f: &Path, kv: &[&str]| {
+        let mut v = kv.to_vec();
+        v.extend(["--prompt-cache", f.to_str().unwrap()]);
+        generate_err(LONG, &v)
+    };
+
+    // Another KV format.
+    let e = use_(&q4, &["--kv-bits", "8"]);
+    assert!(
+        e.contains("layer 0 is 4-bit/g64 with f32 scales") && e.contains("8-bit/g64"),
+        "{e}"
+    );
+    let e = use_(&dense, &["--kv-bits", "4"]);
+    assert!(e.contains("layer 0 is dense f32"), "{e}");
+    // Below --quantized-kv-start the first tokens are dense: quantized rows do not fit there,
+    // dense rows do.
+    let e = use_(&q4, &["--kv-bits", "4", "--quantized-kv-start", "64"]);
+    assert!(e.contains("--quantized-kv-start 64"), "{e}");
+    let ok = {
+        let mut v = vec!["--kv-bits", "4", "--quantized-kv-start", "64"];
+        v.extend(["--prompt-cache", dense.to_str().unwrap()]);
+        generate(LONG, 8, &v)
+    };
+    assert_eq!(
+        ids(&ok["tokens"]),
+        ids(&generate(LONG, 8, &["--kv-bits", "4", "--quantized-kv-start", "64"])["tokens"])
+    );
+
+    // Another way of computing K/V (quantized GGUF matmuls instead of --dequantize).
+    let o = kvq(&[
+        "generate",
+        "--temp",
+        "0",
+        "--dtype",
+        "f32",
+        "--raw",
+        "--prompt-cache",
+        dense.to_str().unwrap(),
+        LONG,
+    ]);
+    assert!(
+        stderr(&o).contains("--dequantize must match"),
+        "{}",
+        stderr(&o)
+    );
+
+    // Other weights: a tampered fingerprint, and random weights of another shape.
+    let tampered = dir.path().join("tampered.safetensors");
+    std::fs::write(
+        &tampered,
+        set_metadata(&dense, "kvq.fingerprint", "0123456789abcdef"),
+    )
+    .unwrap();
+    let e = use_(&tampered, &[]);
+    assert!(
+        e.contains("other weights") && e.contains("0123456789abcdef"),
+        "{e}"
+    );
+    let o = kvq(&[
+        "generate",
+        "--load-format",
+        "dummy",
+        "--config",
+        fixture("tiny-llama/config.json").to_str().unwrap(),
+        "--raw",
+        "--prompt-cache",
+        dense.to_str().unwrap(),
+        LONG,
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("dummy"), "{}", stderr(&o));
+
+    // Damaged or unrelated files.
+    let bytes = std::fs::read(&dense).unwrap();
+    let cut = dir.path().join("cut.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let e = use_(&cut, &[]);
+    assert!(
+        e.contains("cut.safetensors") && e.contains("not a kvq prompt cache"),
+        "{e}"
+    );
+    let e = use_(&dir.path().join("missing.safetensors"), &[]);
+    assert!(e.contains("missing.safetensors"), "{e}");
+
+    // A prompt that shares nothing with the saved one.
+    let e = generate_err(
+        "Completely different words",
+        &["--prompt-cache", dense.to_str().unwrap()],
+    );
+    assert!(e.contains("shares no leading tokens"), "{e}");
+
+    // In a batch file the error names FILE:LINE.
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(
+        &input,
+        format!(
+            "{{\"id\": 1, \"prompt\": \"hi\"}}\n{{\"id\": 2, \"prompt\": {:?}, \"prompt_cache\": {:?}}}\n",
+            LONG,
+            q4.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let o = kvq(&[
+        "batch-generate",
+        input.to_str().unwrap(),
+        "--raw",
+        "--dtype",
+        "f32",
+        "--dequantize",
+        "--no-progress",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("in.jsonl:2:") && e.contains("4-bit/g64"), "{e}");
+}
+
+/// The bytes of the first `n` rows of every tensor of a prompt-cache file, by name.
+fn leading_rows(path: &Path, n: usize) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    let data = &bytes[8 + len..];
+    let mut out: Vec<(String, Vec<u8>)> = header
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let rows = v["shape"][0].as_u64().unwrap() as usize;
+            let (a, b) = (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                v["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            let row = (b - a) / rows;
+            (k.clone(), data[a..a + n * row].to_vec())
+        })
+        .collect();
+    out.sort();
+    assert!(!out.is_empty());
+    out
+}
+
+/// The file with one metadata field replaced (the header rewritten, the data kept).
+fn set_metadata(path: &Path, key: &str, value: &str) -> Vec<u8> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header["__metadata__"][key] = Value::from(value);
+    let mut h = serde_json::to_vec(&header).unwrap();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h);
+    out.extend(&bytes[8 + n..]);
+    out
+}

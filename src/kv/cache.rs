@@ -850,10 +850,7 @@ mod tests {
     }
 
     fn affine(bits: u32) -> KvFormat {
-        KvFormat::Affine {
-            fmt: QuantFormat::new(bits, 32).unwrap(),
-            scale_dtype: DType::F32,
-        }
+        KvFormat::affine(QuantFormat::new(bits, 32).unwrap(), DType::F32, false)
     }
 
     /// Every stored tensor of `rows`, flattened to f32 (codes as their u32 values) per layer.

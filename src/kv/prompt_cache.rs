@@ -595,10 +595,7 @@ mod tests {
     }
 
     fn q4() -> KvFormat {
-        KvFormat::Affine {
-            fmt: QuantFormat::new(4, 32).unwrap(),
-            scale_dtype: DType::F32,
-        }
+        KvFormat::affine(QuantFormat::new(4, 32).unwrap(), DType::F32, false)
     }
 
     #[test]
@@ -691,10 +688,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--dequantize"), "{e}");
-        let q8 = KvFormat::Affine {
-            fmt: QuantFormat::new(8, 32).unwrap(),
-            scale_dtype: DType::F32,
-        };
+        let q8 = KvFormat::affine(QuantFormat::new(8, 32).unwrap(), DType::F32, false);
         let e = f.check_formats(&[q8, q8], "").unwrap_err().to_string();
         assert!(
             e.contains("layer 0 is 4-bit/g32 with f32 scales")

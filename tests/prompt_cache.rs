@@ -356,7 +356,7 @@ fn set_metadata(path: &Path, key: &str, value: &str) -> Vec<u8> {
     let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     header["__metadata__"][key] = Value::from(value);
     let mut h = serde_json::to_vec(&header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -45,10 +45,7 @@ fn quant_cache(m: &LoadedModel, bits: u32, blocks: usize) -> PagedKvCache {
         DType::F32,
     );
     cfg.formats = vec![
-        KvFormat::Affine {
-            fmt: QuantFormat::new(bits, 64).unwrap(),
-            scale_dtype: DType::F32,
-        };
+        KvFormat::affine(QuantFormat::new(bits, 64).unwrap(), DType::F32, false);
         c.num_layers
     ];
     PagedKvCache::new(cfg, &Device::Cpu).unwrap()
@@ -191,6 +188,7 @@ fn quantized_batched_greedy_equals_alone() {
         tokenizer: None,
         dtype: Some(DTypeArg::F32),
         dequantize: true,
+        keep_quantized: false,
     };
     let m = load(&args, &Device::Cpu).unwrap();
     let prompts = prompts();

@@ -352,7 +352,7 @@ impl PromptCacheFile {
         }
         if s.weights != m.weights {
             return Err(self.mismatch(format!(
-                "was computed with {} weights, this run uses {} weights (--dequantize must match)",
+                "was computed with {} weights, this run uses {} weights (--dequantize / --keep-quantized must match)",
                 s.weights, m.weights
             )));
         }
@@ -691,8 +691,8 @@ mod tests {
         let q8 = KvFormat::affine(QuantFormat::new(8, 32).unwrap(), DType::F32, false);
         let e = f.check_formats(&[q8, q8], "").unwrap_err().to_string();
         assert!(
-            e.contains("layer 0 is 4-bit/g32 with f32 scales")
-                && e.contains("keeps it as 8-bit/g32 with f32 scales"),
+            e.contains("layer 0 is affine 4-bit/g32 with f32 scales")
+                && e.contains("keeps it as affine 8-bit/g32 with f32 scales"),
             "{e}"
         );
 

@@ -114,8 +114,10 @@ fn batched_rows_equal_single_rows() {
         }
     }
     eprintln!("max abs logit difference batched vs alone: {worst:e}");
+    // f32 logits of magnitude ~20: 2e-4 is ~1e-5 relative, the spread of f32 matmuls whose
+    // blocking depends on the row count (one decode row alone vs twelve together).
     assert!(
-        worst <= 1e-4,
+        worst <= 2e-4,
         "max abs logit difference batched vs alone: {worst}"
     );
 }

@@ -217,7 +217,13 @@ fn other_formats_weights_and_damaged_files_are_refused() {
     // Another KV format.
     let e = use_(&q4, &["--kv-bits", "8"]);
     assert!(
-        e.contains("layer 0 is 4-bit/g64 with f32 scales") && e.contains("8-bit/g64"),
+        e.contains("layer 0 is rotated 4-bit/g64 with f32 scales") && e.contains("8-bit/g64"),
+        "{e}"
+    );
+    // Same width, other scheme: rotated rows are not affine rows.
+    let e = use_(&q4, &["--kv-bits", "4", "--kv-quant-scheme", "affine"]);
+    assert!(
+        e.contains("rotated 4-bit/g64") && e.contains("affine 4-bit/g64"),
         "{e}"
     );
     let e = use_(&dense, &["--kv-bits", "4"]);
@@ -236,20 +242,23 @@ fn other_formats_weights_and_damaged_files_are_refused() {
         ids(&generate(LONG, 8, &["--kv-bits", "4", "--quantized-kv-start", "64"])["tokens"])
     );
 
-    // Another way of computing K/V (quantized GGUF matmuls instead of --dequantize).
+    // Another way of computing K/V (quantized GGUF matmuls instead of dense weights).
     let o = kvq(&[
         "generate",
         "--temp",
         "0",
         "--dtype",
         "f32",
+        "--keep-quantized",
+        "--max-tokens",
+        "2",
         "--raw",
         "--prompt-cache",
         dense.to_str().unwrap(),
         LONG,
     ]);
     assert!(
-        stderr(&o).contains("--dequantize must match"),
+        stderr(&o).contains("--keep-quantized must match"),
         "{}",
         stderr(&o)
     );

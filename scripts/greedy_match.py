@@ -1,0 +1,42 @@
+"""Leading greedy tokens equal to the dense cache's, per reference prompt, for KV settings.
+
+Run from the repository root after `cargo build --release`:
+    python3 scripts/greedy_match.py
+Each setting runs `kvq generate --temp 0 --dtype f32 --dequantize --max-tokens 48 --json` on the
+12 prompts of ../shared/reference/smollm2-greedy.jsonl and counts how many leading generated ids
+equal the dense cache's (near-ties flip under quantization; this measures it, nothing is asserted).
+"""
+import json, os, subprocess, tempfile
+KVQ = "target/release/kvq"
+cases = [json.loads(l) for l in open("../shared/reference/smollm2-greedy.jsonl")]
+settings = {
+    "affine4": ["--kv-bits", "4", "--kv-quant-scheme", "affine"],
+    "rotated4": ["--kv-bits", "4", "--kv-quant-scheme", "rotated"],
+    "rotated8": ["--kv-bits", "8"],
+    "k6v4": ["--kv-key-bits", "6", "--kv-value-bits", "4"],
+}
+def run(case, extra, tmp):
+    args = [KVQ, "generate", "--temp", "0", "--dtype", "f32", "--dequantize", "--max-tokens", "48", "--json"]
+    if case.get("chat_template"):
+        p = os.path.join(tmp, f"{case['id']}.json")
+        with open(p, "w") as f:
+            json.dump(case["messages"], f)
+        args += ["--messages", p]
+    else:
+        args += ["--raw", case["prompt"]]
+    out = subprocess.run(args + extra, capture_output=True, text=True)
+    return json.loads(out.stdout)["tokens"]
+rows = []
+tmpdir = tempfile.mkdtemp()
+for c in cases:
+    dense = run(c, [], tmpdir)
+    r = {"id": c["id"]}
+    for k, extra in settings.items():
+        got = run(c, extra, tmpdir)
+        n = 0
+        while n < min(len(got), len(dense)) and got[n] == dense[n]:
+            n += 1
+        r[k] = n
+    r["of"] = len(dense)
+    rows.append(r); print(r, flush=True)
+print("totals", {k: sum(r[k] for r in rows) for k in settings}, "of", sum(r["of"] for r in rows))

@@ -412,27 +412,52 @@ impl PagedKvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
-        let s = self.seq(id)?;
-        let bs = self.cfg.block_size;
         let n = k.dim(0)?;
-        let store = &self.pool(s.pool).layers[layer];
-        let (k, v) = match self.rotation(layer, s.pool == Pool::Main) {
-            Some(r) => (r.rotate(k)?, r.rotate(v)?),
-            None => (k.clone(), v.clone()),
-        };
-        let mut done = 0;
-        while done < n {
-            let pos = start + done;
-            let run = (bs - pos % bs).min(n - done);
-            let block = s.blocks.get(pos / bs).copied().flatten().ok_or_else(|| {
-                candle_core::Error::Msg(format!("sequence {id}: position {pos} not reserved"))
-            })? as usize;
-            store.write_run(
-                block * bs + pos % bs,
-                &k.narrow(0, done, run)?,
-                &v.narrow(0, done, run)?,
-            )?;
-            done += run;
+        self.write_spans(layer, &[(id, start, 0, n)], k, v)
+    }
+
+    /// Writes one layer's new K/V rows of a whole batch: `k`, `v` are `[T, width]` and each
+    /// span `(id, start, offset, n)` stores rows `offset..offset + n` as positions
+    /// `start..start + n` of `id`. A rotated layer rotates the batch's rows once, not once per
+    /// sequence; sequences still in dense staging take the rows unrotated.
+    pub fn write_spans(
+        &self,
+        layer: usize,
+        spans: &[(SeqId, usize, usize, usize)],
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let mut rotated = None;
+        if let Some(r) = self.rotation(layer, true) {
+            if spans
+                .iter()
+                .any(|&(id, ..)| self.seqs.get(&id).is_some_and(|s| s.pool == Pool::Main))
+            {
+                rotated = Some((r.rotate(k)?, r.rotate(v)?));
+            }
+        }
+        for &(id, start, offset, n) in spans {
+            let s = self.seq(id)?;
+            let (k, v) = match (&rotated, s.pool) {
+                (Some((rk, rv)), Pool::Main) => (rk, rv),
+                _ => (k, v),
+            };
+            let store = &self.pool(s.pool).layers[layer];
+            let bs = self.cfg.block_size;
+            let mut done = 0;
+            while done < n {
+                let pos = start + done;
+                let run = (bs - pos % bs).min(n - done);
+                let block = s.blocks.get(pos / bs).copied().flatten().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("sequence {id}: position {pos} not reserved"))
+                })? as usize;
+                store.write_run(
+                    block * bs + pos % bs,
+                    &k.narrow(0, offset + done, run)?,
+                    &v.narrow(0, offset + done, run)?,
+                )?;
+                done += run;
+            }
         }
         Ok(())
     }

@@ -175,6 +175,7 @@ impl Llama {
         let eps = cfg.rms_norm_eps as f32;
 
         let decode = plan_decode(cache, &batch)?;
+        let spans: Vec<_> = batch.iter().map(|s| (s.seq, s.start, s.offset, s.n)).collect();
         let mut x = self.embed.index_select(&ids, 0)?; // [T, hidden]
         for (l, b) in self.blocks.iter().enumerate() {
             let residual = &x;
@@ -195,15 +196,7 @@ impl Llama {
             let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, &cos, &sin)?
                 .squeeze(0)?
                 .reshape((t, nkv * hd))?;
-            for s in &batch {
-                cache.write(
-                    l,
-                    s.seq,
-                    s.start,
-                    &k.narrow(0, s.offset, s.n)?,
-                    &v.narrow(0, s.offset, s.n)?,
-                )?;
-            }
+            cache.write_spans(l, &spans, &k, &v)?;
             let attn =
                 paged_attention(&q, cache, l, &batch, &decode, scale)?.reshape((t, nh * hd))?;
             let x1 = (b.o.forward(&attn)? + residual)?;

@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use serde_json::{json, Value};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -454,20 +454,7 @@ fn install_ctrl_c(flag: Arc<AtomicBool>) -> Result<()> {
 }
 
 fn progress_bar(args: &BatchGenerateArgs, total: usize) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(
-        Some(total as u64),
-        if args.no_progress {
-            ProgressDrawTarget::hidden()
-        } else {
-            ProgressDrawTarget::stderr()
-        },
-    );
-    if let Ok(style) =
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} requests | {msg}")
-    {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
+    super::counter_bar(total, args.no_progress, "requests")
 }
 
 struct Counts {

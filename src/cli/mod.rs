@@ -25,3 +25,20 @@ pub fn one_line(e: &anyhow::Error) -> String {
     }
     parts.join(": ")
 }
+
+/// A progress bar on stderr counting `unit` (e.g. "requests") up to `total`, with a message
+/// slot for rates; drawn nowhere when `hidden`.
+pub(crate) fn counter_bar(total: usize, hidden: bool, unit: &str) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    let target = if hidden {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    };
+    let bar = ProgressBar::with_draw_target(Some(total as u64), target);
+    let template = format!("{{elapsed_precise}} [{{bar:30}}] {{pos}}/{{len}} {unit} | {{msg}}");
+    if let Ok(style) = ProgressStyle::with_template(&template) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}

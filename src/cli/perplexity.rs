@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use clap::Args;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -309,20 +309,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
 }
 
 fn progress_bar(hidden: bool, total: usize) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(
-        Some(total as u64),
-        if hidden {
-            ProgressDrawTarget::hidden()
-        } else {
-            ProgressDrawTarget::stderr()
-        },
-    );
-    if let Ok(style) =
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} tokens | {msg}")
-    {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
+    super::counter_bar(total, hidden, "tokens")
 }
 
 fn table(reports: &[Report]) -> Table {

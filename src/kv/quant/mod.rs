@@ -157,21 +157,32 @@ pub fn dequantize(q: &Quantized, fmt: QuantFormat) -> Result<Tensor> {
     }
 }
 
+/// Checks `x [n, D]` against a pool of rank 2 in `fmt`; returns (pool rows, n).
+fn check_rows_into(
+    x: &Tensor,
+    fmt: QuantFormat,
+    dst: &Quantized,
+    op: &'static str,
+) -> Result<(usize, usize)> {
+    let (pool_rows, d) = check_quantized(dst, fmt, op)?;
+    if dst.codes.rank() != 2 || x.rank() != 2 || x.dim(1)? != d {
+        let msg = format!(
+            "expected x [n, {d}] and a pool of rank 2, got x {:?} and codes {:?}",
+            x.dims(),
+            dst.codes.dims()
+        );
+        return Err(QuantError::Shape { op, msg }.into());
+    }
+    Ok((pool_rows, x.dim(0)?))
+}
+
 /// Quantizes `x [n, D]` into rows `slots` (u32 `[n]`) of a preallocated pool: `dst.codes [slots,
 /// D*bits/32]`, `dst.scales` / `dst.biases [slots, D/g]` (the pool's dtype; `x` is cast to it).
 /// Rows not named in `slots` are left untouched.
 pub fn quantize_into(x: &Tensor, fmt: QuantFormat, dst: &Quantized, slots: &Tensor) -> Result<()> {
     let op = "quantize_into";
-    let (pool_rows, d) = check_quantized(dst, fmt, op)?;
+    let (pool_rows, n) = check_rows_into(x, fmt, dst, op)?;
     let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
-    if dst.codes.rank() != 2 || x.rank() != 2 || x.dim(1)? != d {
-        return Err(shape_err(format!(
-            "expected x [n, {d}] and a pool of rank 2, got x {:?} and codes {:?}",
-            x.dims(),
-            dst.codes.dims()
-        )));
-    }
-    let n = x.dim(0)?;
     if slots.dims() != [n] || slots.dtype() != DType::U32 {
         return Err(shape_err(format!(
             "slots must be u32 [{n}], got {:?} {:?}",
@@ -213,16 +224,8 @@ pub fn quantize_rows_into(
     first: usize,
 ) -> Result<()> {
     let op = "quantize_rows_into";
-    let (pool_rows, d) = check_quantized(dst, fmt, op)?;
+    let (pool_rows, n) = check_rows_into(x, fmt, dst, op)?;
     let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
-    if dst.codes.rank() != 2 || x.rank() != 2 || x.dim(1)? != d {
-        return Err(shape_err(format!(
-            "expected x [n, {d}] and a pool of rank 2, got x {:?} and codes {:?}",
-            x.dims(),
-            dst.codes.dims()
-        )));
-    }
-    let n = x.dim(0)?;
     if first + n > pool_rows {
         return Err(shape_err(format!(
             "rows {first}..{} are outside the pool of {pool_rows} rows",

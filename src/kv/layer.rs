@@ -176,6 +176,17 @@ pub enum LayerRows {
     },
 }
 
+/// The format of affine rows: the widths and scheme they were stored with, the scale dtype they
+/// hold.
+fn affine_format(kfmt: QuantFormat, vfmt: QuantFormat, rotated: bool, k: &Quantized) -> KvFormat {
+    KvFormat::Affine {
+        key: kfmt,
+        value: vfmt,
+        scale_dtype: k.scales.dtype(),
+        rotated,
+    }
+}
+
 impl LayerRows {
     /// The storage format these rows are in.
     pub fn format(&self) -> KvFormat {
@@ -187,12 +198,7 @@ impl LayerRows {
                 rotated,
                 k,
                 ..
-            } => KvFormat::Affine {
-                key: *kfmt,
-                value: *vfmt,
-                scale_dtype: k.scales.dtype(),
-                rotated: *rotated,
-            },
+            } => affine_format(*kfmt, *vfmt, *rotated, k),
         }
     }
 
@@ -250,12 +256,7 @@ impl LayerKv {
                 rotated,
                 k,
                 ..
-            } => KvFormat::Affine {
-                key: *kfmt,
-                value: *vfmt,
-                scale_dtype: k.scales.dtype(),
-                rotated: *rotated,
-            },
+            } => affine_format(*kfmt, *vfmt, *rotated, k),
         }
     }
 

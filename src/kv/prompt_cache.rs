@@ -91,8 +91,6 @@ pub fn format_tag(f: &KvFormat) -> String {
             key.group_size(),
             dtype_name(*scale_dtype)
         ),
-        #[allow(unreachable_patterns)]
-        other => format!("{other:?}"),
     }
 }
 
@@ -114,8 +112,6 @@ pub fn format_name(f: &KvFormat) -> String {
             let scheme = if *rotated { "rotated" } else { "affine" };
             format!("{scheme} {width} with {} scales", dtype_name(*scale_dtype))
         }
-        #[allow(unreachable_patterns)]
-        other => format!("{other:?}"),
     }
 }
 

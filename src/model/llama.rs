@@ -175,7 +175,10 @@ impl Llama {
         let eps = cfg.rms_norm_eps as f32;
 
         let decode = plan_decode(cache, &batch)?;
-        let spans: Vec<_> = batch.iter().map(|s| (s.seq, s.start, s.offset, s.n)).collect();
+        let spans: Vec<_> = batch
+            .iter()
+            .map(|s| (s.seq, s.start, s.offset, s.n))
+            .collect();
         let mut x = self.embed.index_select(&ids, 0)?; // [T, hidden]
         for (l, b) in self.blocks.iter().enumerate() {
             let residual = &x;

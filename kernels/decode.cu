@@ -290,6 +290,238 @@ __device__ __forceinline__ void decode_impl(
     }
 }
 
+// Warp-independent kernel for quantized pools, head_dim D in {64, 128} (decode_q_*):
+// the block-wide kernel above syncs its 128 threads three times per tile of positions, so at
+// most one tile's loads are in flight per block and the quantized rows' unpacking sits between
+// them. Here each of the 4 warps walks its own tiles of 32 positions with its own online
+// softmax, and only the end of the block combines them:
+//   1. scores: one lane per position; the lane loads its K row (D·B/8 bytes) in 8/16-byte
+//      pieces and computes q·k̂ = Σ_chunks scale·(q·codes) + bias·Σq for QG query heads
+//      (q in shared memory, read by all lanes at one address: broadcast);
+//   2. warp max / exp in registers (the running sum stays per lane until the end);
+//   3. V: D/8 lanes per position, 32·8/D positions per step; a lane takes the weights and the
+//      slot of its position by shuffle and accumulates 8 values for every head.
+// Heads are handled QG = 4 at a time (grid z); absent heads get q = 0 and are not written.
+#define QG 4
+#define QW 4
+
+template <typename T, int B, int D>
+__device__ __forceinline__ void qdecode_impl(
+    const float* __restrict__ q, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
+    const T* __restrict__ kb, const uint32_t* __restrict__ vc, const T* __restrict__ vs,
+    const T* __restrict__ vb, const uint32_t* __restrict__ tables,
+    const uint32_t* __restrict__ starts, const uint32_t* __restrict__ lens, int max_blocks,
+    int num_blocks, int block_size, int kvh, int G, int group, int split_len,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int HB = D * B / 8;                 // code bytes of one head in one row
+    constexpr int VEC = (HB % 16 == 0) ? 16 : 8;  // K load width
+    constexpr int NCH = D / 32;                   // 32-code chunks (B words each)
+    constexpr int LPR = D / 8;                    // V lanes per position
+    constexpr int RPS = 32 / LPR;                 // V positions per step
+    const unsigned FULL = 0xffffffffu;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int b = blockIdx.x / kvh, kh = blockIdx.x % kvh;
+    const int split = blockIdx.y, Bn = gridDim.x / kvh;
+    const int j0 = blockIdx.z * QG, gn = min(QG, G - j0);
+    const int H = kvh * G;
+
+    __shared__ __align__(16) float q_s[QG][D];
+    __shared__ float qsum_s[QG][NCH];
+    __shared__ float wm_s[QW][QG], wl_s[QW][QG];
+    __shared__ __align__(16) float wacc_s[QW][QG][D];
+    __shared__ int bad_s;
+
+    const uint32_t start = starts[b], len = lens[b];
+    const bool bad_seq = len == 0 || start >= len ||
+                         (uint64_t)len > (uint64_t)max_blocks * (uint64_t)block_size;
+    const long long p0 = (long long)start + (long long)split * split_len;
+    const long long p1 = min((long long)len, p0 + split_len);
+
+    const float* qb = q + ((size_t)b * H + (size_t)kh * G + j0) * D;
+    for (int i = tid; i < QG * D; i += blockDim.x) q_s[i / D][i % D] = (i / D) < gn ? qb[i] : 0.f;
+    if (tid == 0) bad_s = bad_seq;
+    __syncthreads();
+    for (int i = tid; i < QG * NCH; i += blockDim.x) {
+        const float* src = &q_s[i / NCH][(i % NCH) * 32];
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < 32; k++) s += src[k];
+        qsum_s[i / NCH][i % NCH] = s;
+    }
+    __syncthreads();
+
+    const size_t row_words = (size_t)kvh * D * B / 32, head_words = (size_t)D * B / 32;
+    const size_t row_groups = (size_t)kvh * (D / group), head_groups = D / group;
+    const int c8 = lane % LPR, rsub = lane / LPR;
+
+    float m_w[QG], l_w[QG], acc[QG][8], accb[QG];
+#pragma unroll
+    for (int j = 0; j < QG; j++) {
+        m_w[j] = neg_inf();
+        l_w[j] = 0.f;
+        accb[j] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[j][k] = 0.f;
+    }
+    bool bad_row = false;
+
+    if (!bad_seq) {
+        for (long long t0 = p0 + (long long)warp * 32; t0 < p1; t0 += QW * 32) {
+            const long long p = t0 + lane;
+            bool valid = p < p1;
+            size_t slot = 0;
+            if (valid) {
+                const uint32_t blk = tables[(size_t)b * max_blocks + p / block_size];
+                if (blk >= (uint32_t)num_blocks) {
+                    bad_row = true;
+                    valid = false;
+                } else {
+                    slot = (size_t)blk * block_size + p % block_size;
+                }
+            }
+            // 1. scores.
+            float s[QG];
+#pragma unroll
+            for (int j = 0; j < QG; j++) s[j] = neg_inf();
+            if (valid) {
+                const unsigned char* row =
+                    reinterpret_cast<const unsigned char*>(kc + slot * row_words + kh * head_words);
+                uint32_t w[HB / 4];
+#pragma unroll
+                for (int i = 0; i < HB / VEC; i++) {
+                    if (VEC == 16) {
+                        const uint4 x = reinterpret_cast<const uint4*>(row)[i];
+                        w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
+                    } else {
+                        const uint2 x = reinterpret_cast<const uint2*>(row)[i];
+                        w[2 * i] = x.x; w[2 * i + 1] = x.y;
+                    }
+                }
+                const T* sc_row = ks + slot * row_groups + kh * head_groups;
+                const T* bi_row = kb + slot * row_groups + kh * head_groups;
+#pragma unroll
+                for (int j = 0; j < QG; j++) s[j] = 0.f;
+#pragma unroll
+                for (int c = 0; c < NCH; c++) {
+                    const int gi = c * 32 / group;
+                    const float sc = to_f(sc_row[gi]), bi = to_f(bi_row[gi]);
+                    float d[QG];
+#pragma unroll
+                    for (int j = 0; j < QG; j++) d[j] = 0.f;
+#pragma unroll
+                    for (int k = 0; k < 32; k += 4) {
+                        const float x0 = code_at<B>(w + c * B, k), x1 = code_at<B>(w + c * B, k + 1);
+                        const float x2 = code_at<B>(w + c * B, k + 2), x3 = code_at<B>(w + c * B, k + 3);
+#pragma unroll
+                        for (int j = 0; j < QG; j++) {
+                            const float4 a = *reinterpret_cast<const float4*>(&q_s[j][c * 32 + k]);
+                            d[j] += a.x * x0 + a.y * x1 + a.z * x2 + a.w * x3;
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < QG; j++) s[j] += sc * d[j] + bi * qsum_s[j][c];
+                }
+            }
+            // 2. online softmax; lane 0's position is always inside the split, so the tile
+            // maximum is finite unless that row is bad (then the output is NaN anyway).
+            float pj[QG];
+#pragma unroll
+            for (int j = 0; j < QG; j++) {
+                float mx = s[j];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+                const float m_new = fmaxf(m_w[j], mx);
+                const float alpha = m_new == neg_inf() ? 1.f : __expf(m_w[j] - m_new);
+                pj[j] = valid ? __expf(s[j] - m_new) : 0.f;
+                l_w[j] = l_w[j] * alpha + pj[j];
+                accb[j] *= alpha;
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[j][k] *= alpha;
+                m_w[j] = m_new;
+            }
+            // 3. V.
+#pragma unroll
+            for (int st = 0; st < 32 / RPS; st++) {
+                const int r = st * RPS + rsub;
+                const size_t slot_r = (size_t)__shfl_sync(FULL, (unsigned long long)slot, r);
+                const int ok = __shfl_sync(FULL, (int)valid, r);
+                float pr[QG];
+#pragma unroll
+                for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pj[j], r);
+                if (ok) {
+                    const unsigned char* vrow = reinterpret_cast<const unsigned char*>(
+                        vc + slot_r * row_words + kh * head_words);
+                    const uint64_t win = load_codes8<B>(vrow + c8 * B);
+                    const size_t gidx = slot_r * row_groups + kh * head_groups + (c8 * 8) / group;
+                    const float sc = to_f(vs[gidx]), bi = to_f(vb[gidx]);
+                    float cf[8];
+#pragma unroll
+                    for (int k = 0; k < 8; k++) cf[k] = code_f((uint32_t)(win >> (k * B)) & ((1u << B) - 1));
+#pragma unroll
+                    for (int j = 0; j < QG; j++) {
+                        const float ps = pr[j] * sc;
+                        accb[j] += pr[j] * bi;
+#pragma unroll
+                        for (int k = 0; k < 8; k++) acc[j][k] += ps * cf[k];
+                    }
+                }
+            }
+        }
+    }
+    // The warp's totals: l over all lanes, V over the lanes that share a column slice.
+#pragma unroll
+    for (int j = 0; j < QG; j++) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l_w[j] += __shfl_xor_sync(FULL, l_w[j], o);
+#pragma unroll
+        for (int o = 16; o >= LPR; o >>= 1) {
+            accb[j] += __shfl_xor_sync(FULL, accb[j], o);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[j][k] += __shfl_xor_sync(FULL, acc[j][k], o);
+        }
+    }
+    if (bad_row) bad_s = 1;
+    if (lane < LPR) {
+#pragma unroll
+        for (int j = 0; j < QG; j++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) wacc_s[warp][j][c8 * 8 + k] = acc[j][k] + accb[j];
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < QG; j++) {
+            wm_s[warp][j] = m_w[j];
+            wl_s[warp][j] = l_w[j];
+        }
+    }
+    __syncthreads();
+    // Combine the warps into this block's (max, sum, weighted V).
+    const bool failed = bad_s != 0;
+    const float nan = __int_as_float(0x7fc00000);
+    const size_t base = ((size_t)split * Bn + b) * H + (size_t)kh * G + j0;
+    for (int i = tid; i < gn * D; i += blockDim.x) {
+        const int j = i / D, dd = i % D;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < QW; w++) M = fmaxf(M, wm_s[w][j]);
+        float num = 0.f, den = 0.f;
+        if (M != neg_inf()) {
+#pragma unroll
+            for (int w = 0; w < QW; w++) {
+                const float e = __expf(wm_s[w][j] - M);
+                num += e * wacc_s[w][j][dd];
+                den += e * wl_s[w][j];
+            }
+        }
+        part_acc[base * D + i] = failed ? nan : num;
+        if (dd == 0) {
+            part_ml[(base + j) * 2] = failed ? nan : M;
+            part_ml[(base + j) * 2 + 1] = failed ? nan : den;
+        }
+    }
+}
+
 // Combines the splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s. Empty splits have
 // m = -inf and are skipped; NaN (a bad sequence) propagates.
 extern "C" __global__ void decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
@@ -340,6 +572,26 @@ extern "C" __global__ void decode_merge(const float* __restrict__ part_acc, cons
     KVQ_DENSE(TNAME, T)                                                                              \
     KVQ_AFFINE(TNAME, T, 2) KVQ_AFFINE(TNAME, T, 3) KVQ_AFFINE(TNAME, T, 4)                          \
     KVQ_AFFINE(TNAME, T, 5) KVQ_AFFINE(TNAME, T, 6) KVQ_AFFINE(TNAME, T, 8)
+
+#define KVQ_Q(TNAME, T, B, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QW * 32, 4) decode_q_##TNAME##_b##B##_d##D(         \
+        const float* q, const uint32_t* kc, const T* ks, const T* kb, const uint32_t* vc,           \
+        const T* vs, const T* vb, const uint32_t* tables, const uint32_t* starts,                   \
+        const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G,        \
+        int group, int split_len, float* part_acc, float* part_ml) {                                \
+        qdecode_impl<T, B, D>(q, kc, ks, kb, vc, vs, vb, tables, starts, lens, max_blocks,          \
+                              num_blocks, block_size, kvh, G, group, split_len, part_acc, part_ml); \
+    }
+
+#define KVQ_Q_D(TNAME, T, D)                                                                         \
+    KVQ_Q(TNAME, T, 2, D) KVQ_Q(TNAME, T, 3, D) KVQ_Q(TNAME, T, 4, D)                                \
+    KVQ_Q(TNAME, T, 5, D) KVQ_Q(TNAME, T, 6, D) KVQ_Q(TNAME, T, 8, D)
+
+#define KVQ_Q_ALL(TNAME, T) KVQ_Q_D(TNAME, T, 64) KVQ_Q_D(TNAME, T, 128)
+
+KVQ_Q_ALL(f32, float)
+KVQ_Q_ALL(f16, __half)
+KVQ_Q_ALL(bf16, __nv_bfloat16)
 
 KVQ_ALL(f32, float)
 KVQ_ALL(f16, __half)

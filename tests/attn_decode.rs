@@ -41,6 +41,19 @@ fn build(
     q_dtype: DType,
     seed: u64,
 ) -> Case {
+    build_d(format, kv_heads, gqa, seqs, q_dtype, seed, HEAD_DIM)
+}
+
+/// [`build`] with another head_dim.
+fn build_d(
+    format: KvFormat,
+    kv_heads: usize,
+    gqa: usize,
+    seqs: &[(usize, usize)],
+    q_dtype: DType,
+    seed: u64,
+    head_dim: usize,
+) -> Case {
     let mut rng = StdRng::seed_from_u64(seed);
     let need: Vec<usize> = seqs.iter().map(|&(_, l)| l.div_ceil(BLOCK)).collect();
     let max_blocks = need.iter().max().copied().unwrap_or(1) + 2;
@@ -57,7 +70,7 @@ fn build(
             next += 1;
         }
     }
-    let width = kv_heads * HEAD_DIM;
+    let width = kv_heads * head_dim;
     let slots = num_blocks * BLOCK;
     let kv = LayerKv::zeros(format, slots, width, &Device::Cpu).unwrap();
     let k = Tensor::from_vec(
@@ -76,8 +89,8 @@ fn build(
     let h = kv_heads * gqa;
     // Larger queries make the softmax peaked, as in real models.
     let q = Tensor::from_vec(
-        randn(&mut rng, seqs.len() * h * HEAD_DIM, 3.0),
-        (seqs.len(), h, HEAD_DIM),
+        randn(&mut rng, seqs.len() * h * head_dim, 3.0),
+        (seqs.len(), h, head_dim),
         &Device::Cpu,
     )
     .unwrap()
@@ -108,6 +121,11 @@ fn scale() -> f32 {
     1.0 / (HEAD_DIM as f32).sqrt()
 }
 
+/// The softmax scale of a case's head_dim.
+fn scale_of(c: &Case) -> f32 {
+    1.0 / (c.q.dim(2).unwrap() as f32).sqrt()
+}
+
 fn reference(c: &Case) -> Tensor {
     generic::decode_attention(
         &c.q,
@@ -117,7 +135,7 @@ fn reference(c: &Case) -> Tensor {
         &c.lens,
         BLOCK,
         c.kv_heads,
-        scale(),
+        scale_of(c),
     )
     .unwrap()
 }
@@ -383,7 +401,7 @@ mod cuda {
             &g.lens,
             BLOCK,
             c.kv_heads,
-            scale(),
+            scale_of(c),
         )
         .unwrap();
         let err = rel_err(&got, &reference(c));
@@ -435,6 +453,39 @@ mod cuda {
         let (kvh, seqs) = layouts().remove(0);
         let c = build(affine(4, 64, DType::F16), kvh, 16, &seqs, DType::F16, 77);
         check(&c, &dev, 5e-3, "4-bit f16 scales, f16 q, gqa 16");
+        // head_dim 64 (the default model's) and one other than 64 / 128 (block-wide kernel).
+        for d in [64, 96] {
+            for bits in QuantFormat::BITS {
+                for gqa in [1, 3] {
+                    for (kvh, seqs) in layouts() {
+                        seed += 1;
+                        let c = build_d(
+                            affine(bits, 32, DType::F32),
+                            kvh,
+                            gqa,
+                            &seqs,
+                            DType::F32,
+                            seed,
+                            d,
+                        );
+                        check(&c, &dev, 1e-4, &format!("d {d} bits {bits} gqa {gqa}"));
+                    }
+                }
+            }
+        }
+        let c = build(
+            affine(8, 32, DType::BF16),
+            kvh_of_first(),
+            4,
+            &layouts()[0].1,
+            DType::BF16,
+            78,
+        );
+        check(&c, &dev, 2e-2, "8-bit bf16 scales, bf16 q, gqa 4");
+    }
+
+    fn kvh_of_first() -> usize {
+        layouts()[0].0
     }
 
     #[test]

@@ -3,10 +3,10 @@
 //! This is the batch engine with a single request: the same scheduler, cache and model code
 //! that `batch-generate` drives.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
 use super::prompt_cache::{check_can_save, write as write_prompt_cache, CacheFiles};
@@ -25,6 +25,11 @@ pub struct GenerateArgs {
     /// The prompt (a user message, rendered with the model's chat template unless --raw).
     #[arg(value_name = "PROMPT")]
     pub prompt: Option<String>,
+
+    /// Read the prompt from FILE (`-`: standard input) instead of PROMPT: for prompts longer
+    /// than a command line can hold. Used as is (one trailing newline dropped).
+    #[arg(long, value_name = "FILE")]
+    pub prompt_file: Option<PathBuf>,
 
     /// Use the prompt as plain text: no chat template, no system message.
     #[arg(long)]
@@ -69,6 +74,20 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    let with_file;
+    let args = match &args.prompt_file {
+        Some(path) => {
+            if args.prompt.is_some() {
+                bail!("give either a PROMPT or --prompt-file, not both");
+            }
+            with_file = GenerateArgs {
+                prompt: Some(read_prompt_file(path)?),
+                ..args.clone()
+            };
+            &with_file
+        }
+        None => args,
+    };
     check_flags(args)?;
     let device = args.device.open()?;
     let loaded = load(&args.model, &device)?;
@@ -82,6 +101,30 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// The text of --prompt-file (`-`: standard input), one trailing newline dropped.
+fn read_prompt_file(path: &Path) -> Result<String> {
+    let mut text = String::new();
+    if path == Path::new("-") {
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .context("cannot read the prompt from standard input")?;
+    } else {
+        text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "--prompt-file {}: cannot read it as UTF-8 text",
+                path.display()
+            )
+        })?;
+    }
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(text)
+}
+
 /// Conflicting or empty inputs, refused before anything is loaded.
 fn check_flags(args: &GenerateArgs) -> Result<()> {
     args.kv.validate()?;
@@ -91,7 +134,7 @@ fn check_flags(args: &GenerateArgs) -> Result<()> {
     }
     match (&args.prompt, &args.messages) {
         (Some(_), Some(_)) => bail!("give either a PROMPT or --messages, not both"),
-        (None, None) => bail!("no prompt: give PROMPT or --messages FILE"),
+        (None, None) => bail!("no prompt: give PROMPT, --prompt-file FILE or --messages FILE"),
         (Some(p), None) if p.trim().is_empty() => bail!("the prompt is empty"),
         _ => {}
     }

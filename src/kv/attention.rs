@@ -196,6 +196,8 @@ pub fn attend_one(
 }
 
 /// 0 where query `i` (position `start + i`) may see key `j` (position `kstart + j`), else -inf.
+/// Built on `dev` from two position vectors: a long prefill chunk's `[n, L]` mask would otherwise
+/// be filled on the host and copied over for every layer.
 fn causal_mask(
     n: usize,
     l: usize,
@@ -204,21 +206,22 @@ fn causal_mask(
     window: Option<usize>,
     dev: &candle_core::Device,
 ) -> Result<Tensor> {
-    let w = window.unwrap_or(usize::MAX);
-    let mask: Vec<f32> = (0..n)
-        .flat_map(|i| {
-            let p = start + i;
-            (0..l).map(move |j| {
-                let kp = kstart + j;
-                if kp <= p && p - kp < w {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Tensor::from_vec(mask, (n, l), dev)
+    // Positions as f32 are exact far beyond any context window (2^24).
+    let qpos = Tensor::arange(start as u32, (start + n) as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((n, 1))?;
+    let kpos = Tensor::arange(kstart as u32, (kstart + l) as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((1, l))?;
+    let mut visible = kpos.broadcast_le(&qpos)?; // u8 [n, L]
+    if let Some(w) = window {
+        // p - kp < w  <=>  kp > p - w
+        let lo = (&qpos - w as f64)?;
+        visible = (visible * kpos.broadcast_gt(&lo)?)?;
+    }
+    let zeros = Tensor::zeros((n, l), DType::F32, dev)?;
+    let blocked = Tensor::full(f32::NEG_INFINITY, (n, l), dev)?;
+    visible.where_cond(&zeros, &blocked)
 }
 
 #[cfg(test)]

@@ -17,6 +17,10 @@ const TILE: usize = 128;
 const MAXG: usize = 8;
 /// Blocks to aim for: about four waves on an H100's 132 SMs.
 const TARGET_BLOCKS: usize = 512;
+/// Query heads per block of the warp-independent quantized kernel (QG in decode.cu).
+const QG: usize = 4;
+/// Blocks to aim for with that kernel: 4 resident per SM, about two waves.
+const TARGET_BLOCKS_Q: usize = 1024;
 /// Largest head_dim the shared-memory layout is sized for (stays under 48 KiB).
 const MAX_HEAD_DIM: usize = 512;
 
@@ -59,10 +63,10 @@ fn dtype_name(d: DType) -> Result<&'static str> {
 
 /// Splits per (sequence, KV head) and positions per split, from the table's capacity (the
 /// lengths stay on the device).
-fn plan(dims: &Dims, head_chunks: usize) -> (usize, usize) {
+fn plan(dims: &Dims, head_chunks: usize, target: usize) -> (usize, usize) {
     let cap = dims.max_blocks * dims.block_size;
     let per_split_blocks = dims.batch * dims.kv_heads * head_chunks;
-    let want = TARGET_BLOCKS.div_ceil(per_split_blocks.max(1));
+    let want = target.div_ceil(per_split_blocks.max(1));
     let max_splits = cap.div_ceil(TILE).max(1);
     let nsplit = want.clamp(1, max_splits);
     let split_len = cap.div_ceil(nsplit).div_ceil(TILE) * TILE;
@@ -88,8 +92,23 @@ pub(super) fn decode(
     let to_i32 = |v: usize, what: &str| -> Result<i32> {
         i32::try_from(v).map_err(|_| err(format!("{what} {v} does not fit the kernel's int")))
     };
-    let head_chunks = dims.group.div_ceil(MAXG);
-    let (nsplit, split_len) = plan(dims, head_chunks);
+    // Quantized pools with one width for K and V and head_dim 64 or 128 take the
+    // warp-independent kernel (decode_q_*); KVQ_CUDA_DECODE=v1 keeps the block-wide one (A/B).
+    let warp_kernel = match kv {
+        LayerKv::Affine { kfmt, vfmt, .. } => {
+            kfmt == vfmt
+                && matches!(d, 64 | 128)
+                && std::env::var("KVQ_CUDA_DECODE").map_or(true, |v| v != "v1")
+        }
+        LayerKv::Dense { .. } => false,
+    };
+    let (chunk, target) = if warp_kernel {
+        (QG, TARGET_BLOCKS_Q)
+    } else {
+        (MAXG, TARGET_BLOCKS)
+    };
+    let head_chunks = dims.group.div_ceil(chunk);
+    let (nsplit, split_len) = plan(dims, head_chunks, target);
     let qf = aligned(&(q.to_dtype(DType::F32)? * scale as f64)?)?;
     let (tables, starts, lens) = (
         aligned(block_tables)?,
@@ -115,7 +134,11 @@ pub(super) fn decode(
 
     let part_acc: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * d)? };
     let part_ml: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * 2)? };
-    let smem = 4 * (MAXG * d + MAXG * (d / 32) + MAXG * TILE + TILE + MAXG * d);
+    let smem = if warp_kernel {
+        0 // static
+    } else {
+        4 * (MAXG * d + MAXG * (d / 32) + MAXG * TILE + TILE + MAXG * d)
+    };
     let cfg = LaunchConfig {
         grid_dim: (
             to_i32(dims.batch * dims.kv_heads, "batch x kv_heads")? as u32,
@@ -177,7 +200,15 @@ pub(super) fn decode(
                 ts6[4].storage_and_layout(),
                 ts6[5].storage_and_layout(),
             ];
-            let name = format!("decode_{}_b{}", dtype_name(ts6[1].dtype())?, fmt.bits());
+            let name = if warp_kernel {
+                format!(
+                    "decode_q_{}_b{}_d{d}",
+                    dtype_name(ts6[1].dtype())?,
+                    fmt.bits()
+                )
+            } else {
+                format!("decode_{}_b{}", dtype_name(ts6[1].dtype())?, fmt.bits())
+            };
             let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             let group = to_i32(fmt.group_size(), "group size")?;
             macro_rules! launch {
@@ -197,8 +228,15 @@ pub(super) fn decode(
                         .arg(&vs)
                         .arg(&vb);
                     b.arg(&tv).arg(&sv).arg(&lv);
-                    for i in &ints {
-                        b.arg(i);
+                    if warp_kernel {
+                        // max_blocks, num_blocks, block_size, kv_heads, group of query heads
+                        for i in &ints[..5] {
+                            b.arg(i);
+                        }
+                    } else {
+                        for i in &ints {
+                            b.arg(i);
+                        }
                     }
                     b.arg(&group).arg(&split_len).arg(&part_acc).arg(&part_ml);
                     unsafe { b.launch(cfg) }.w()?;

@@ -290,6 +290,35 @@ __device__ __forceinline__ void decode_impl(
     }
 }
 
+// The rotated scheme (src/kv/rotation.rs): x·R with R = diag(s)·H/√D is a fast
+// Walsh-Hadamard transform of s ⊙ x; its inverse is s ⊙ (H·x)/√D. `rows` vectors of D floats in
+// shared memory, transformed in place by the whole block (ends with a barrier).
+__device__ __forceinline__ float inv_sqrt_d(int D) { return (float)(1.0 / sqrt((double)D)); }
+
+template <int D>
+__device__ __forceinline__ void fwht(float* x, int rows, int tid, int nt) {
+    for (int h = 1; h < D; h <<= 1) {
+        for (int i = tid; i < rows * D / 2; i += nt) {
+            const int j = i / (D / 2), r = i % (D / 2);
+            const int a = j * D + (r / h) * 2 * h + (r % h), c = a + h;
+            const float u = x[a], v = x[c];
+            x[a] = u + v;
+            x[c] = u - v;
+        }
+        __syncthreads();
+    }
+}
+
+template <int D, int ROWS>
+__device__ __forceinline__ void rotate_rows(float* x, const float* __restrict__ signs, int tid, int nt) {
+    for (int i = tid; i < ROWS * D; i += nt) x[i] *= signs[i % D];
+    __syncthreads();
+    fwht<D>(x, ROWS, tid, nt);
+    const float nrm = inv_sqrt_d(D);
+    for (int i = tid; i < ROWS * D; i += nt) x[i] *= nrm;
+    __syncthreads();
+}
+
 // Warp-independent kernel for quantized pools, head_dim D in {64, 128} (decode_q_*):
 // the block-wide kernel above syncs its 128 threads three times per tile of positions, so at
 // most one tile's loads are in flight per block and the quantized rows' unpacking sits between
@@ -312,7 +341,8 @@ __device__ __forceinline__ void qdecode_impl(
     const T* __restrict__ vb, const uint32_t* __restrict__ tables,
     const uint32_t* __restrict__ starts, const uint32_t* __restrict__ lens, int max_blocks,
     int num_blocks, int block_size, int kvh, int G, int group, int split_len,
-    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    float* __restrict__ part_acc, float* __restrict__ part_ml, const float* __restrict__ signs,
+    int rotated) {
     constexpr int HB = D * B / 8;                 // code bytes of one head in one row
     constexpr int VEC = (HB % 16 == 0) ? 16 : 8;  // K load width
     constexpr int NCH = D / 32;                   // 32-code chunks (B words each)
@@ -342,6 +372,7 @@ __device__ __forceinline__ void qdecode_impl(
     for (int i = tid; i < QG * D; i += blockDim.x) q_s[i / D][i % D] = (i / D) < gn ? qb[i] : 0.f;
     if (tid == 0) bad_s = bad_seq;
     __syncthreads();
+    if (rotated) rotate_rows<D, QG>(&q_s[0][0], signs, tid, blockDim.x);
     for (int i = tid; i < QG * NCH; i += blockDim.x) {
         const float* src = &q_s[i / NCH][(i % NCH) * 32];
         float s = 0.f;
@@ -523,9 +554,13 @@ __device__ __forceinline__ void qdecode_impl(
 }
 
 // Combines the splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s. Empty splits have
-// m = -inf and are skipped; NaN (a bad sequence) propagates.
+// m = -inf and are skipped; NaN (a bad sequence) propagates. `rotated`: the kernel attended in
+// the rotated space (q rotated in its prologue), so the output is rotated back here:
+// s ⊙ (H·o)/√D. Only the warp kernel rotates in place, so D is 64 or 128 (the host checks).
 extern "C" __global__ void decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                        float* __restrict__ out, int nsplit, int BH, int D) {
+                                        float* __restrict__ out, int nsplit, int BH, int D,
+                                        const float* __restrict__ signs, int rotated) {
+    __shared__ float o_s[128];
     const int bh = blockIdx.x;
     float M = neg_inf();
     bool nan_seen = false;
@@ -543,8 +578,16 @@ extern "C" __global__ void decode_merge(const float* __restrict__ part_acc, cons
             num += w * part_acc[((size_t)s * BH + bh) * D + d];
             den += w * part_ml[((size_t)s * BH + bh) * 2 + 1];
         }
-        out[(size_t)bh * D + d] = nan_seen ? __int_as_float(0x7fc00000) : num / den;
+        const float o = nan_seen ? __int_as_float(0x7fc00000) : num / den;
+        if (rotated) o_s[d] = o;
+        else out[(size_t)bh * D + d] = o;
     }
+    if (!rotated) return;
+    __syncthreads();
+    if (D == 64) fwht<64>(o_s, 1, threadIdx.x, blockDim.x);
+    else fwht<128>(o_s, 1, threadIdx.x, blockDim.x);
+    const float nrm = inv_sqrt_d(D);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out[(size_t)bh * D + d] = o_s[d] * nrm * signs[d];
 }
 
 #define KVQ_DENSE(TNAME, T)                                                                          \
@@ -578,9 +621,10 @@ extern "C" __global__ void decode_merge(const float* __restrict__ part_acc, cons
         const float* q, const uint32_t* kc, const T* ks, const T* kb, const uint32_t* vc,           \
         const T* vs, const T* vb, const uint32_t* tables, const uint32_t* starts,                   \
         const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G,        \
-        int group, int split_len, float* part_acc, float* part_ml) {                                \
+        int group, int split_len, float* part_acc, float* part_ml, const float* signs, int rotated) {\
         qdecode_impl<T, B, D>(q, kc, ks, kb, vc, vs, vb, tables, starts, lens, max_blocks,          \
-                              num_blocks, block_size, kvh, G, group, split_len, part_acc, part_ml); \
+                              num_blocks, block_size, kvh, G, group, split_len, part_acc, part_ml,  \
+                              signs, rotated);                                                      \
     }
 
 #define KVQ_Q_D(TNAME, T, D)                                                                         \

@@ -488,6 +488,66 @@ mod cuda {
         layouts()[0].0
     }
 
+    /// Rotated pools: the kernel's in-place Walsh-Hadamard rotation of q and of the output
+    /// equals rotate → reference attention → rotate back (f32 matmuls on the CPU).
+    #[test]
+    fn cuda_rotated_matches_rotate_attend_unrotate() {
+        use kvq::kv::decode::decode_attention_rotated;
+        use kvq::kv::rotation::{Rotation, DEFAULT_SEED};
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        for d in [64, 128] {
+            for bits in [4, 8] {
+                for (kvh, seqs) in layouts() {
+                    let seed = 500 + d as u64 + bits as u64 + kvh as u64;
+                    let c = build_d(
+                        affine(bits, 32, DType::F32),
+                        kvh,
+                        3,
+                        &seqs,
+                        DType::F32,
+                        seed,
+                        d,
+                    );
+                    let cpu_rot = Rotation::new(d, DEFAULT_SEED, &Device::Cpu).unwrap();
+                    let want = cpu_rot
+                        .unrotate(
+                            &generic::decode_attention(
+                                &cpu_rot.rotate(&c.q).unwrap(),
+                                &c.kv,
+                                &c.tables,
+                                &c.starts,
+                                &c.lens,
+                                BLOCK,
+                                c.kv_heads,
+                                scale_of(&c),
+                            )
+                            .unwrap(),
+                        )
+                        .unwrap();
+                    let g = to_gpu(&c, &dev);
+                    let rot = Rotation::new(d, DEFAULT_SEED, &dev).unwrap();
+                    let got = decode_attention_rotated(
+                        &g.q,
+                        &g.kv,
+                        &g.tables,
+                        &g.starts,
+                        &g.lens,
+                        BLOCK,
+                        c.kv_heads,
+                        scale_of(&c),
+                        &rot,
+                    )
+                    .unwrap();
+                    let err = rel_err(&got, &want);
+                    assert!(
+                        err < 1e-4,
+                        "rotated d {d} bits {bits} kvh {kvh}: rel err {err}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn cuda_bad_tables_give_nan_for_that_sequence_only() {
         let dev = Device::new_cuda(0).expect("a CUDA device");

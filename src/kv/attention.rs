@@ -9,7 +9,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::cache::{PagedKvCache, SeqId};
-use super::decode::decode_attention;
+use super::decode::{decode_attention, decode_attention_rotated};
 
 /// One sequence's share of a forward pass: `n` new tokens at positions `start..start + n`,
 /// rows `offset..offset + n` of the flattened batch.
@@ -92,23 +92,35 @@ pub fn paged_attention(
     let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
     for g in decode {
         let rot = cache.rotation(layer, g.main);
-        let mut qg = q.index_select(&g.rows, 0)?;
-        if let Some(r) = rot {
-            qg = r.rotate(&qg)?;
-        }
-        let mut o = decode_attention(
-            &qg,
+        let qg = q.index_select(&g.rows, 0)?;
+        let (pool, bs, kvh) = (
             cache.layer_storage(layer, g.main),
-            &g.tables,
-            &g.starts,
-            &g.lens,
             cfg.block_size,
             cfg.num_kv_heads,
-            scale as f32,
-        )?;
-        if let Some(r) = rot {
-            o = r.unrotate(&o)?;
-        }
+        );
+        let o = match rot {
+            Some(r) => decode_attention_rotated(
+                &qg,
+                pool,
+                &g.tables,
+                &g.starts,
+                &g.lens,
+                bs,
+                kvh,
+                scale as f32,
+                r,
+            )?,
+            None => decode_attention(
+                &qg,
+                pool,
+                &g.tables,
+                &g.starts,
+                &g.lens,
+                bs,
+                kvh,
+                scale as f32,
+            )?,
+        };
         if g.members.len() == batch.len() {
             return Ok(o); // every sequence decodes, in batch order
         }

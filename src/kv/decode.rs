@@ -27,6 +27,7 @@ pub mod generic;
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::layer::LayerKv;
+use super::rotation::Rotation;
 
 /// Why a decode-attention call is refused; each message names the offending input.
 #[derive(Debug, thiserror::Error)]
@@ -300,10 +301,48 @@ pub fn decode_attention(
             cpu::decode(q, kv, &dims, &t, scale)
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda::decode(q, kv, &dims, block_tables, starts, lens, scale),
+        Device::Cuda(_) => cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, None),
         _ => {
             let t = read_tables(&dims, block_tables, starts, lens)?;
             generic::decode_checked(q, kv, &dims, &t, scale)
         }
     }
+}
+
+/// [`decode_attention`] over a pool of rows stored rotated by `rot` (the `rotated` scheme):
+/// attends with `q·R` and rotates the output back (`o·Rᵀ`), so it returns what attention over
+/// the unrotated rows would. The CUDA kernel for quantized head_dim 64 / 128 pools does both in
+/// place (a Walsh-Hadamard transform in its prologue and in the merge); elsewhere they are two
+/// small matmuls around [`decode_attention`].
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_rotated(
+    q: &Tensor,
+    kv: &LayerKv,
+    block_tables: &Tensor,
+    starts: &Tensor,
+    lens: &Tensor,
+    block_size: usize,
+    num_kv_heads: usize,
+    scale: f32,
+    rot: &Rotation,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && !matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt) {
+        let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
+        if dims.batch == 0 {
+            return q.zeros_like();
+        }
+        return cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, Some(rot));
+    }
+    let o = decode_attention(
+        &rot.rotate(q)?,
+        kv,
+        block_tables,
+        starts,
+        lens,
+        block_size,
+        num_kv_heads,
+        scale,
+    )?;
+    rot.unrotate(&o)
 }

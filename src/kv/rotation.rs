@@ -26,6 +26,8 @@ pub struct Rotation {
     fwd: Tensor,
     /// `Rᵀ`: `x = x_rot · Rᵀ`.
     inv: Tensor,
+    /// s (f32 `[D]`, ±1), for kernels that rotate with a fast Walsh-Hadamard transform.
+    signs: Tensor,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -36,14 +38,16 @@ pub enum RotationError {
 
 impl Rotation {
     pub fn new(head_dim: usize, seed: u64, dev: &Device) -> Result<Self> {
-        let m = matrix(head_dim, seed).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let fwd = Tensor::from_vec(m, (head_dim, head_dim), dev)?;
+        Self::check(head_dim).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let s = signs(head_dim, seed);
+        let fwd = Tensor::from_vec(matrix(&s), (head_dim, head_dim), dev)?;
         let inv = fwd.t()?.contiguous()?;
         Ok(Self {
             head_dim,
             seed,
             fwd,
             inv,
+            signs: Tensor::from_vec(s, head_dim, dev)?,
         })
     }
 
@@ -58,6 +62,11 @@ impl Rotation {
 
     pub fn seed(&self) -> u64 {
         self.seed
+    }
+
+    /// The signs s of `R = diag(s)·H/√D` (f32 `[D]`, on the rotation's device).
+    pub fn signs(&self) -> &Tensor {
+        &self.signs
     }
 
     /// Rotates every head vector of `x` (`[.., D]`, or `[N, heads·D]` rows); same shape and dtype.
@@ -89,12 +98,10 @@ impl Rotation {
     }
 }
 
-/// `R = diag(s)·H/√D`, row-major: entry (i, j) = s_i·H_ij/√D, with `H_ij = (-1)^popcount(i & j)`
-/// (Sylvester's construction) and signs from a splitmix64 stream of `seed`.
-fn matrix(d: usize, seed: u64) -> std::result::Result<Vec<f32>, RotationError> {
-    Rotation::check(d)?;
+/// The D signs of `seed`'s rotation, from a splitmix64 stream.
+fn signs(d: usize, seed: u64) -> Vec<f32> {
     let mut state = seed;
-    let signs: Vec<f32> = (0..d)
+    (0..d)
         .map(|_| {
             if splitmix64(&mut state) >> 63 == 0 {
                 1.0
@@ -102,9 +109,15 @@ fn matrix(d: usize, seed: u64) -> std::result::Result<Vec<f32>, RotationError> {
                 -1.0
             }
         })
-        .collect();
+        .collect()
+}
+
+/// `R = diag(s)·H/√D`, row-major: entry (i, j) = s_i·H_ij/√D, with `H_ij = (-1)^popcount(i & j)`
+/// (Sylvester's construction).
+fn matrix(signs: &[f32]) -> Vec<f32> {
+    let d = signs.len();
     let norm = 1.0 / (d as f64).sqrt();
-    Ok((0..d)
+    (0..d)
         .flat_map(|i| {
             let s = signs[i];
             (0..d).map(move |j| {
@@ -116,7 +129,7 @@ fn matrix(d: usize, seed: u64) -> std::result::Result<Vec<f32>, RotationError> {
                 (s as f64 * h * norm) as f32
             })
         })
-        .collect())
+        .collect()
 }
 
 fn splitmix64(state: &mut u64) -> u64 {

@@ -3,6 +3,7 @@
 
 use super::Dims;
 use crate::kv::layer::LayerKv;
+use crate::kv::rotation::Rotation;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::op::BackpropOp;
@@ -82,9 +83,10 @@ pub(super) fn decode(
     starts: &Tensor,
     lens: &Tensor,
     scale: f32,
+    rot: Option<&Rotation>,
 ) -> Result<Tensor> {
     let d = dims.head_dim;
-    if d % 8 != 0 || d > MAX_HEAD_DIM {
+    if !d.is_multiple_of(8) || d > MAX_HEAD_DIM {
         return Err(err(format!(
             "head_dim {d} must be a multiple of 8 and at most {MAX_HEAD_DIM}"
         )));
@@ -109,7 +111,15 @@ pub(super) fn decode(
     };
     let head_chunks = dims.group.div_ceil(chunk);
     let (nsplit, split_len) = plan(dims, head_chunks, target);
-    let qf = aligned(&(q.to_dtype(DType::F32)? * scale as f64)?)?;
+    // The warp kernel rotates q in its prologue and the merge rotates the output back; the
+    // block-wide kernel gets q rotated here and its output rotated back below.
+    let fused_rot = rot.filter(|_| warp_kernel);
+    let outer_rot = rot.filter(|_| !warp_kernel);
+    let q_in = match outer_rot {
+        Some(r) => r.rotate(q)?,
+        None => q.clone(),
+    };
+    let qf = aligned(&(q_in.to_dtype(DType::F32)? * scale as f64)?)?;
     let (tables, starts, lens) = (
         aligned(block_tables)?,
         starts.contiguous()?,
@@ -158,6 +168,18 @@ pub(super) fn decode(
     ];
     let split_len = to_i32(split_len, "split length")?;
 
+    // Signs of the rotation for the kernels (the lens buffer stands in, unread, when none).
+    let signs = fused_rot.map(|r| r.signs().contiguous()).transpose()?;
+    let rotated: i32 = fused_rot.is_some().into();
+    let sg_storage = signs.as_ref().map(|t| t.storage_and_layout());
+    let sgv = match &sg_storage {
+        Some((st, l)) => view::<f32>(st, l)?,
+        None => {
+            let v = view::<u32>(&ls, ll)?;
+            // Same device pointer, read as nothing.
+            unsafe { v.transmute::<f32>(v.len()) }.ok_or_else(|| err("signs placeholder"))?
+        }
+    };
     match kv {
         LayerKv::Dense { k, v } => {
             let (k, v) = (aligned(k)?, aligned(v)?);
@@ -239,6 +261,9 @@ pub(super) fn decode(
                         }
                     }
                     b.arg(&group).arg(&split_len).arg(&part_acc).arg(&part_ml);
+                    if warp_kernel {
+                        b.arg(&sgv).arg(&rotated);
+                    }
                     unsafe { b.launch(cfg) }.w()?;
                 }};
             }
@@ -259,7 +284,9 @@ pub(super) fn decode(
         .arg(&out)
         .arg(&ns)
         .arg(&bh_i)
-        .arg(&d_i);
+        .arg(&d_i)
+        .arg(&sgv)
+        .arg(&rotated);
     let mcfg = LaunchConfig {
         grid_dim: (bh as u32, 1, 1),
         block_dim: (d.min(256) as u32, 1, 1),
@@ -272,5 +299,9 @@ pub(super) fn decode(
         BackpropOp::none(),
         false,
     );
-    out.to_dtype(q.dtype())
+    let out = out.to_dtype(q.dtype())?;
+    match outer_rot {
+        Some(r) => r.unrotate(&out),
+        None => Ok(out),
+    }
 }

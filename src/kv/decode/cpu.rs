@@ -17,11 +17,11 @@
 //! [`simd::Portable`]. A head dimension that is not a multiple of 8 goes to the generic path.
 
 #[cfg(target_arch = "x86_64")]
-mod avx2;
+pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
-mod avx512;
+pub(crate) mod avx512;
 mod kernel;
-mod simd;
+pub(crate) mod simd;
 
 use super::{generic, Dims, Tables};
 use crate::kv::layer::LayerKv;

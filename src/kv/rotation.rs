@@ -10,9 +10,12 @@
 //! once before attention and the output rotated back once after (`Rᵀ = R⁻¹`).
 //!
 //! Rows are `[.., D]` vectors; rotation is one `[N, D] × [D, D]` matmul, so every backend runs
-//! it (the D² work per vector is small next to the projections that produced it).
+//! it (the D² work per vector is small next to the projections that produced it); on the CPU a
+//! row-invariant one, so batching never changes a rotated vector.
 
 use candle_core::{DType, Device, Result, Tensor};
+
+use crate::ops::row_matmul;
 
 /// Seed of the default rotation (any fixed value works; stored with prompt caches).
 pub const DEFAULT_SEED: u64 = 0x6b76_715f_726f_7431;
@@ -62,15 +65,17 @@ impl Rotation {
 
     /// Rotates every head vector of `x` (`[.., D]`, or `[N, heads·D]` rows); same shape and dtype.
     pub fn rotate(&self, x: &Tensor) -> Result<Tensor> {
-        self.apply(x, &self.fwd)
+        self.apply(x, &self.fwd, &self.inv)
     }
 
     /// Undoes [`Rotation::rotate`].
     pub fn unrotate(&self, x: &Tensor) -> Result<Tensor> {
-        self.apply(x, &self.inv)
+        self.apply(x, &self.inv, &self.fwd)
     }
 
-    fn apply(&self, x: &Tensor, m: &Tensor) -> Result<Tensor> {
+    /// `x · m`, where `mt` is `mᵀ`. On the CPU through [`row_matmul`] (as `x · mtᵀ`), so a
+    /// vector's rotation does not depend on how many others are rotated in the same call.
+    fn apply(&self, x: &Tensor, m: &Tensor, mt: &Tensor) -> Result<Tensor> {
         let d = self.head_dim;
         let shape = x.shape().clone();
         if !shape.elem_count().is_multiple_of(d) {
@@ -85,7 +90,12 @@ impl Rotation {
         let rows = x
             .to_dtype(DType::F32)?
             .reshape((shape.elem_count() / d, d))?;
-        rows.matmul(m)?.to_dtype(dtype)?.reshape(shape)
+        let out = if row_matmul::supports(&rows, mt) {
+            row_matmul::matmul_t(&rows, mt)?
+        } else {
+            rows.matmul(m)?
+        };
+        out.to_dtype(dtype)?.reshape(shape)
     }
 }
 

@@ -5,8 +5,9 @@
 //! KV head ([`kernel`] says how a task reads K and V), and the partial states of one
 //! (sequence, KV head) are merged at the end. Tasks are ordered chunk-major so that the KV heads
 //! of one chunk run back to back on a thread and share the cache lines of scales and biases
-//! (a slot's groups of all heads sit together). The chunk length adapts: long enough to amortise
-//! a task, short enough that a single long sequence still gives every thread several tasks.
+//! (a slot's groups of all heads sit together). The chunk length adapts to each sequence's own
+//! length (never to the batch: [`chunk_len`]): long enough to amortise a task, short enough
+//! that a single long sequence still gives several threads work.
 //!
 //! Scratch buffers live per thread and are reused across calls; the only per-call allocations
 //! are the query copy, the partial states and the output.
@@ -35,6 +36,17 @@ use std::cell::RefCell;
 /// Bounds of a task's length in positions.
 const MIN_CHUNK: usize = 64;
 const MAX_CHUNK: usize = 1024;
+/// Chunks a sequence is split into, within those bounds.
+const SPLITS: usize = 16;
+
+/// Positions per task of a sequence with `span` visible positions. A function of the span
+/// alone (not of the batch or the thread count): the chunking fixes the order in which a
+/// sequence's partial softmax states are merged, so a query's result is the same whatever else
+/// shares the call — batch invariance, and a prefill token attended as a decode query gives
+/// what the same position gives when decoded.
+fn chunk_len(span: usize) -> usize {
+    span.div_ceil(SPLITS).clamp(MIN_CHUNK, MAX_CHUNK)
+}
 
 /// A cache element type, read as f32.
 pub(crate) trait Elem: WithDType + Copy + Send + Sync {
@@ -149,15 +161,12 @@ struct Plan {
 }
 
 fn plan(d: &Dims, t: &Tables) -> Plan {
-    let span = |b: usize| (t.lens[b] - t.starts[b]) as usize;
-    let rows: usize = (0..d.batch).map(span).sum::<usize>() * d.kv_heads;
-    let want = 4 * rayon::current_num_threads().max(1);
-    let chunk = rows.div_ceil(want).clamp(MIN_CHUNK, MAX_CHUNK);
     let mut tasks = Vec::new();
     let mut seqs = Vec::with_capacity(d.batch);
     for b in 0..d.batch {
         let (s, l) = (t.starts[b] as usize, t.lens[b] as usize);
-        let nc = span(b).div_ceil(chunk);
+        let chunk = chunk_len(l - s);
+        let nc = (l - s).div_ceil(chunk);
         seqs.push((tasks.len(), nc));
         for c in 0..nc {
             let p0 = s + c * chunk;

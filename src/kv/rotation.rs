@@ -196,6 +196,26 @@ mod tests {
         assert!(peak < 40.0 / 4.0, "outlier not spread: peak {peak}");
     }
 
+    /// On the CPU a vector rotates to the same bits alone and among others (row-invariant
+    /// matmul), both ways.
+    #[test]
+    fn rows_rotate_alike_alone_and_together() {
+        let dev = Device::Cpu;
+        let r = Rotation::new(64, DEFAULT_SEED, &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (37, 3 * 64), &dev).unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            v.iter().map(|f| f.to_bits()).collect()
+        };
+        for f in [Rotation::rotate, Rotation::unrotate] {
+            let all = f(&r, &x).unwrap();
+            for i in [0, 5, 36] {
+                let one = f(&r, &x.narrow(0, i, 1).unwrap()).unwrap();
+                assert_eq!(bits(&one), bits(&all.narrow(0, i, 1).unwrap()), "row {i}");
+            }
+        }
+    }
+
     #[test]
     fn seeds_differ_and_are_reproducible() {
         let dev = Device::Cpu;

@@ -570,3 +570,87 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod invariance_tests {
+    use super::super::{check_shapes, read_tables};
+    use super::*;
+    use crate::kv::layer::KvFormat;
+    use crate::kv::quant::QuantFormat;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 22) as f32 - 2.0
+            })
+            .collect()
+    }
+
+    /// A sequence decoded among others of other lengths (one of them long enough to be split
+    /// into many chunks) gives the same bits as decoded alone, on every vector implementation.
+    #[test]
+    fn a_sequence_does_not_depend_on_the_batch() {
+        let (bs, kvh, g, hd) = (16usize, 3usize, 3usize, 64usize);
+        let seqs = [(0usize, 37usize), (0, 700), (20, 150), (0, 1), (300, 1500)];
+        let per_seq = 1500usize.div_ceil(bs);
+        let nb = seqs.len();
+        let num_blocks = nb * per_seq;
+        let dev = Device::Cpu;
+        let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+        let (slots, width) = (num_blocks * bs, kvh * hd);
+        let k = Tensor::from_vec(values(slots * width, 1), (slots, width), &dev).unwrap();
+        let v = Tensor::from_vec(values(slots * width, 2), (slots, width), &dev).unwrap();
+        let q = Tensor::from_vec(values(nb * kvh * g * hd, 3), (nb, kvh * g, hd), &dev).unwrap();
+        let u32s = |v: Vec<u32>, n: usize| Tensor::from_vec(v, n, &dev).unwrap();
+        let call = |kv: &LayerKv, isa: Isa, which: &[usize]| -> Vec<u32> {
+            let b = which.len();
+            let tables: Vec<u32> = which
+                .iter()
+                .flat_map(|&i| table[i * per_seq..(i + 1) * per_seq].to_vec())
+                .collect();
+            let tables = Tensor::from_vec(tables, (b, per_seq), &dev).unwrap();
+            let starts = u32s(which.iter().map(|&i| seqs[i].0 as u32).collect(), b);
+            let lens = u32s(which.iter().map(|&i| seqs[i].1 as u32).collect(), b);
+            let ids = u32s(which.iter().map(|&i| i as u32).collect(), b);
+            let qb = q.index_select(&ids, 0).unwrap();
+            let dims = check_shapes(&qb, kv, &tables, &starts, &lens, bs, kvh).unwrap();
+            let t = read_tables(&dims, &tables, &starts, &lens).unwrap();
+            let out = decode_with(&qb, kv, &dims, &t, 0.125, isa).unwrap();
+            let out: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+            out.iter().map(|x| x.to_bits()).collect()
+        };
+        let affine =
+            |bits| KvFormat::affine(QuantFormat::new(bits, 64).unwrap(), DType::F32, false);
+        for format in [KvFormat::Dense(DType::F32), affine(4), affine(8)] {
+            let kv = LayerKv::zeros(format, slots, width, &dev).unwrap();
+            kv.write_run(0, &k, &v).unwrap();
+            let mut isas = vec![Isa::Portable];
+            #[cfg(target_arch = "x86_64")]
+            {
+                if avx2::available() {
+                    isas.push(Isa::Avx2);
+                }
+                if avx512::available() {
+                    isas.push(Isa::Avx512);
+                }
+            }
+            for isa in isas {
+                let all: Vec<usize> = (0..nb).collect();
+                let together = call(&kv, isa, &all);
+                let row = kvh * g * hd;
+                for i in 0..nb {
+                    let alone = call(&kv, isa, &[i]);
+                    assert_eq!(
+                        alone,
+                        together[i * row..(i + 1) * row],
+                        "{format:?} {isa:?}: sequence {i}"
+                    );
+                }
+            }
+        }
+    }
+}

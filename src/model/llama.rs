@@ -109,7 +109,7 @@ impl Llama {
     /// Whether every row of a forward pass depends only on its own sequence (its tokens, its
     /// cache), never on the other sequences in the call or on how its prompt was chunked: bit
     /// for bit, greedy batched generation then equals each request alone. On the CPU (the
-    /// default there) with dense f32 weights: projections go through the row-invariant matmul
+    /// default there) with dense weights: projections go through the row-invariant matmul
     /// (always), prompt tokens attend as decode queries of their own position through the
     /// fused decode kernel, whose order depends only on a query's visible span.
     pub fn batch_invariant(&self) -> bool {

@@ -88,7 +88,7 @@ impl Linear {
         matches!(self.w, QMatMul::QTensor(_))
     }
 
-    /// `x`: [T, in] → [T, out]. Dense f32 weights on the CPU go through
+    /// `x`: [T, in] → [T, out]. Dense weights on the CPU (f32, f16, bf16) go through
     /// [`row_matmul`](crate::ops::row_matmul), so each output row depends only on its own input
     /// row, however many rows share the call (batch invariance; it is also faster than candle's
     /// gemm at these shapes).

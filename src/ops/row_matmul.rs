@@ -1,4 +1,4 @@
-//! Row-invariant `y = x·Wᵀ` for f32 on the CPU.
+//! Row-invariant `y = x·Wᵀ` on the CPU (f32, f16 or bf16 operands, f32 accumulation).
 //!
 //! candle's CPU matmul (the gemm crate) picks its blocking, and with it the order in which a dot
 //! product is summed, from the shape of the call: one row of `x` rounds differently alone
@@ -13,12 +13,15 @@
 //! [`MR`] rows of `x` × 4 rows of `W` in registers) and the rayon split into tiles only decide
 //! which elements are computed together, never the order inside one. The vector implementation
 //! is chosen once per process (the widest the CPU has, whatever the shape), so a row's result
-//! is the same in every call on one machine.
+//! is the same in every call on one machine. f16/bf16 operands are widened exactly to f32 (`x`
+//! once, `W` as it is read) and the f32 result rounded once to the operands' dtype.
 
-use candle_core::{DType, Layout, Result, Storage, Tensor};
+use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::kv::decode::cpu::simd::{Portable, Simd};
+use crate::kv::decode::cpu::Elem;
 #[cfg(target_arch = "x86_64")]
 use crate::kv::decode::cpu::{avx2, avx512};
 
@@ -55,23 +58,24 @@ impl Isa {
     }
 }
 
-/// Whether [`matmul_t`] takes these operands: f32 on the CPU, `x` `[.., k]`, `w` `[n, k]`.
+/// Whether [`matmul_t`] takes these operands: CPU tensors of one dtype (f32, f16 or bf16), `x`
+/// `[.., k]`, `w` `[n, k]`.
 pub fn supports(x: &Tensor, w: &Tensor) -> bool {
     x.device().is_cpu()
         && w.device().is_cpu()
-        && x.dtype() == DType::F32
-        && w.dtype() == DType::F32
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && w.dtype() == x.dtype()
         && w.rank() == 2
         && x.rank() >= 1
         && x.dims().last() == Some(&w.dims()[1])
 }
 
-/// `x·Wᵀ`: `x` `[.., k]`, `w` `[n, k]` (f32, CPU) → `[.., n]`; each row of the result depends
-/// only on its own row of `x` (see the module docs).
+/// `x·Wᵀ`: `x` `[.., k]`, `w` `[n, k]` (CPU, one dtype) → `[.., n]` in that dtype; each row of
+/// the result depends only on its own row of `x` (see the module docs).
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !supports(x, w) {
         candle_core::bail!(
-            "row_matmul: needs f32 CPU tensors x [.., k] and w [n, k], got x {:?} {:?}, w {:?} {:?}",
+            "row_matmul: needs CPU tensors of one float dtype, x [.., k] and w [n, k], got x {:?} {:?}, w {:?} {:?}",
             x.dims(),
             x.dtype(),
             w.dims(),
@@ -79,30 +83,35 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         );
     }
     let (n, k) = w.dims2()?;
-    let m = x.elem_count() / k.max(1);
-    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let lead = &x.dims()[..x.rank() - 1];
+    let m: usize = lead.iter().product();
+    let dtype = x.dtype();
+    let (x, w) = (x.to_dtype(DType::F32)?.contiguous()?, w.contiguous()?);
     let mut y = vec![0f32; m * n];
     {
         let (xs, xl) = x.storage_and_layout();
         let (ws, wl) = w.storage_and_layout();
-        let (xd, wd) = (cpu_f32(&xs, xl)?, cpu_f32(&ws, wl)?);
-        run(xd, wd, m, n, k, &mut y, Isa::best());
+        let xd = cpu_slice::<f32>(&xs, xl)?;
+        let isa = Isa::best();
+        match dtype {
+            DType::F16 => run(xd, cpu_slice::<f16>(&ws, wl)?, m, n, k, &mut y, isa),
+            DType::BF16 => run(xd, cpu_slice::<bf16>(&ws, wl)?, m, n, k, &mut y, isa),
+            _ => run(xd, cpu_slice::<f32>(&ws, wl)?, m, n, k, &mut y, isa),
+        }
     }
-    let mut dims = x.dims().to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = n;
-    }
-    Tensor::from_vec(y, dims, x.device())
+    let mut dims = lead.to_vec();
+    dims.push(n);
+    Tensor::from_vec(y, dims, x.device())?.to_dtype(dtype)
 }
 
-fn cpu_f32<'a>(s: &'a Storage, l: &Layout) -> Result<&'a [f32]> {
+fn cpu_slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
     let Storage::Cpu(s) = s else {
         candle_core::bail!("row_matmul: expected CPU storage");
     };
     let (a, b) = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("row_matmul: non-contiguous operand".into()))?;
-    Ok(&s.as_slice::<f32>()?[a..b])
+    Ok(&T::cpu_storage_as_slice(s)?[a..b])
 }
 
 /// The output pointer, shared by tasks that write disjoint tiles.
@@ -119,7 +128,7 @@ impl OutPtr {
 }
 
 /// `y = x·Wᵀ` on slices: `x` `[m, k]`, `w` `[n, k]`, `y` `[m, n]`, row-major.
-fn run(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, y: &mut [f32], isa: Isa) {
+fn run<T: Elem>(x: &[f32], w: &[T], m: usize, n: usize, k: usize, y: &mut [f32], isa: Isa) {
     assert!(x.len() == m * k && w.len() == n * k && y.len() == m * n);
     if m == 0 || n == 0 {
         return;
@@ -142,7 +151,7 @@ fn run(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, y: &mut [f32], isa: I
                 Isa::Avx512 => tile_avx512(x, w, out.get(), tile),
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => tile_avx2(x, w, out.get(), tile),
-                Isa::Portable => tile_run::<Portable>(x, w, out.get(), tile),
+                Isa::Portable => tile_run::<Portable, T>(x, w, out.get(), tile),
             }
         }
     });
@@ -160,20 +169,20 @@ struct Tile {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn tile_avx512(x: &[f32], w: &[f32], y: *mut f32, t: Tile) {
-    tile_run::<avx512::Avx512>(x, w, y, t)
+unsafe fn tile_avx512<T: Elem>(x: &[f32], w: &[T], y: *mut f32, t: Tile) {
+    tile_run::<avx512::Avx512, T>(x, w, y, t)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2(x: &[f32], w: &[f32], y: *mut f32, t: Tile) {
-    tile_run::<avx2::Avx2>(x, w, y, t)
+unsafe fn tile_avx2<T: Elem>(x: &[f32], w: &[T], y: *mut f32, t: Tile) {
+    tile_run::<avx2::Avx2, T>(x, w, y, t)
 }
 
 /// Register blocks over a tile: for each block of 4 `W` rows (kept in L1), every block of up
 /// to [`MR`] rows of `x`. Safety: as [`micro`], for every block of the tile.
 #[inline(always)]
-unsafe fn tile_run<S: Simd>(x: &[f32], w: &[f32], y: *mut f32, t: Tile) {
+unsafe fn tile_run<S: Simd, T: Elem>(x: &[f32], w: &[T], y: *mut f32, t: Tile) {
     let Tile { rows, cols, n, k } = t;
     let mut j = cols.0;
     while j < cols.1 {
@@ -189,7 +198,7 @@ unsafe fn tile_run<S: Simd>(x: &[f32], w: &[f32], y: *mut f32, t: Tile) {
             macro_rules! arms {
                 ($(($r:literal, $c:literal)),*) => {
                     match (mr, nr) {
-                        $(($r, $c) => micro::<S, $r, $c>(xp, wp, yp, n, k),)*
+                        $(($r, $c) => micro::<S, T, $r, $c>(xp, wp, yp, n, k),)*
                         _ => unreachable!("register block {mr}x{nr}"),
                     }
                 };
@@ -224,9 +233,9 @@ unsafe fn tile_run<S: Simd>(x: &[f32], w: &[f32], y: *mut f32, t: Tile) {
 /// Safety: `x` and `w` are valid for `R·k` and `C·k` reads, `y` for the `R × C` writes, and the
 /// CPU supports `S`.
 #[inline(always)]
-unsafe fn micro<S: Simd, const R: usize, const C: usize>(
+unsafe fn micro<S: Simd, T: Elem, const R: usize, const C: usize>(
     x: *const f32,
-    w: *const f32,
+    w: *const T,
     y: *mut f32,
     n: usize,
     k: usize,
@@ -237,7 +246,7 @@ unsafe fn micro<S: Simd, const R: usize, const C: usize>(
     while p < kv {
         let mut wv = [S::zero(); C];
         for (c, v) in wv.iter_mut().enumerate() {
-            *v = S::load(w.add(c * k + p));
+            *v = T::load::<S>(w.add(c * k + p));
         }
         for (r, row) in acc.iter_mut().enumerate() {
             let xv = S::load(x.add(r * k + p));
@@ -251,7 +260,7 @@ unsafe fn micro<S: Simd, const R: usize, const C: usize>(
         for (c, &a) in row.iter().enumerate() {
             let mut s = S::hsum(a);
             for q in kv..k {
-                s += *x.add(r * k + q) * *w.add(c * k + q);
+                s += *x.add(r * k + q) * (*w.add(c * k + q)).to_f32::<S>();
             }
             *y.add(r * n + c) = s;
         }
@@ -375,8 +384,67 @@ mod tests {
             .unwrap();
         assert!(err < 1e-5, "{err}");
         let e = matmul_t(&x.to_dtype(DType::F16).unwrap(), &w).unwrap_err();
-        assert!(e.to_string().contains("f32 CPU tensors"), "{e}");
+        assert!(e.to_string().contains("one float dtype"), "{e}");
         let e = matmul_t(&x, &w.narrow(1, 0, 9).unwrap()).unwrap_err();
         assert!(e.to_string().contains("row_matmul"), "{e}");
+    }
+
+    /// f16 and bf16 operands: each row alone equals its row in a batch, bit for bit, and the
+    /// result is the f32 product of the widened operands rounded once.
+    #[test]
+    fn half_operands_are_row_invariant_and_widened_exactly() {
+        let dev = Device::Cpu;
+        let (m, n, k) = (19, 37, 133);
+        let x = Tensor::from_vec(values(m * k, 7), (m, k), &dev).unwrap();
+        let w = Tensor::from_vec(values(n * k, 8), (n, k), &dev).unwrap();
+        for dt in [DType::F16, DType::BF16] {
+            let (xh, wh) = (x.to_dtype(dt).unwrap(), w.to_dtype(dt).unwrap());
+            let y = matmul_t(&xh, &wh).unwrap();
+            assert_eq!(y.dtype(), dt);
+            let want = matmul_t(
+                &xh.to_dtype(DType::F32).unwrap(),
+                &wh.to_dtype(DType::F32).unwrap(),
+            )
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v: Vec<f32> = t
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                v.iter().map(|f| f.to_bits()).collect()
+            };
+            assert_eq!(bits(&y), bits(&want), "{dt:?}");
+            for i in [0, 4, 18] {
+                let one = matmul_t(&xh.narrow(0, i, 1).unwrap(), &wh).unwrap();
+                assert_eq!(
+                    bits(&one),
+                    bits(&y.narrow(0, i, 1).unwrap()),
+                    "{dt:?} row {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn empty_reduction_gives_zeros() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((3, 0), DType::F32, &dev).unwrap();
+        let w = Tensor::zeros((4, 0), DType::F32, &dev).unwrap();
+        let y = matmul_t(&x, &w).unwrap();
+        assert_eq!(y.dims(), [3, 4]);
+        assert_eq!(
+            y.abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
     }
 }

@@ -25,31 +25,51 @@ pub struct SeqSlice {
     pub slots: Tensor,
 }
 
-/// Sequences with one new token that share a pool: they go through the fused decode kernel
-/// together. Built once per forward pass (block tables are the same in every layer).
+/// Queries that share a pool and go through the fused decode kernel together: every decode
+/// token (n = 1), and with `prefill_as_decode` every prompt token too. Built once per forward
+/// pass (block tables are the same in every layer).
 pub struct DecodeGroup {
     main: bool,
-    /// Indices into the batch, in batch order.
-    members: Vec<usize>,
-    /// Row of each member in the flattened batch (u32 `[B]`).
+    /// Per member sequence, in batch order: its index in the batch, and the range of its
+    /// queries among the group's rows.
+    members: Vec<(usize, usize, usize)>,
+    /// Row of each query in the flattened batch (u32 `[Q]`).
     rows: Tensor,
     tables: Tensor,
     starts: Tensor,
     lens: Tensor,
 }
 
-/// Groups the batch's decode tokens (n = 1) by pool for [`paged_attention`].
-pub fn plan_decode(cache: &PagedKvCache, batch: &[SeqSlice]) -> Result<Vec<DecodeGroup>> {
+/// Groups the batch's decode tokens (n = 1) by pool for [`paged_attention`]. With
+/// `prefill_as_decode`, each token of a prompt chunk joins too, as a decode query of its own
+/// position (visible keys up to and including itself): each query then has one summation order
+/// whatever chunk or batch it came in (the CPU decode kernel's order depends only on the
+/// query's visible span), so prompts give the same K/V however they are chunked and batched —
+/// the batch-invariant path. Without it, chunks attend with matmuls over their keys
+/// ([`attend_one`]), whose rounding depends on the chunk's shape.
+pub fn plan_decode(
+    cache: &PagedKvCache,
+    batch: &[SeqSlice],
+    prefill_as_decode: bool,
+) -> Result<Vec<DecodeGroup>> {
     let err = |e: super::cache::CacheError| candle_core::Error::Msg(e.to_string());
     let dev = cache.device();
     let mut groups = Vec::new();
     for main in [true, false] {
         let mut members = Vec::new();
         let mut tables = Vec::new();
+        let (mut rows, mut starts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
         for (i, s) in batch.iter().enumerate() {
-            if s.n == 1 && cache.in_main_pool(s.seq).map_err(err)? == main {
-                members.push(i);
-                tables.push(cache.block_table(s.seq).map_err(err)?);
+            if (s.n == 1 || prefill_as_decode) && cache.in_main_pool(s.seq).map_err(err)? == main {
+                members.push((i, rows.len(), s.n));
+                let table = cache.block_table(s.seq).map_err(err)?;
+                for t in 0..s.n {
+                    let pos = s.start + t;
+                    rows.push((s.offset + t) as u32);
+                    starts.push(cache.first_visible(pos) as u32);
+                    lens.push(pos as u32 + 1);
+                    tables.push(table.clone());
+                }
             }
         }
         if members.is_empty() {
@@ -60,17 +80,13 @@ pub fn plan_decode(cache: &PagedKvCache, batch: &[SeqSlice]) -> Result<Vec<Decod
             .iter()
             .flat_map(|t| t.iter().copied().chain(std::iter::repeat(0)).take(width))
             .collect();
-        let b = members.len();
-        let col = |f: &dyn Fn(&SeqSlice) -> usize| -> Result<Tensor> {
-            let v: Vec<u32> = members.iter().map(|&i| f(&batch[i]) as u32).collect();
-            Tensor::from_vec(v, b, dev)
-        };
+        let q = rows.len();
         groups.push(DecodeGroup {
             main,
-            rows: col(&|s| s.offset)?,
-            starts: col(&|s| s.kstart)?,
-            lens: col(&|s| s.start + 1)?,
-            tables: Tensor::from_vec(flat, (b, width), dev)?,
+            rows: Tensor::from_vec(rows, q, dev)?,
+            starts: Tensor::from_vec(starts, q, dev)?,
+            lens: Tensor::from_vec(lens, q, dev)?,
+            tables: Tensor::from_vec(flat, (q, width), dev)?,
             members,
         });
     }
@@ -78,8 +94,8 @@ pub fn plan_decode(cache: &PagedKvCache, batch: &[SeqSlice]) -> Result<Vec<Decod
 }
 
 /// `q`: `[T, heads, head_dim]` for all new tokens of the batch (after RoPE); the new K/V are
-/// already written to the cache. Decode tokens use the fused kernel (planned by
-/// [`plan_decode`]); prompt chunks gather their keys and values. Returns `[T, heads, head_dim]`.
+/// already written to the cache. Queries planned by [`plan_decode`] use the fused decode kernel;
+/// other prompt chunks gather their keys and values. Returns `[T, heads, head_dim]`.
 pub fn paged_attention(
     q: &Tensor,
     cache: &PagedKvCache,
@@ -122,10 +138,10 @@ pub fn paged_attention(
             )?,
         };
         if g.members.len() == batch.len() {
-            return Ok(o); // every sequence decodes, in batch order
+            return Ok(o); // every sequence is in this group, in batch order
         }
-        for (j, &i) in g.members.iter().enumerate() {
-            outs[i] = Some(o.narrow(0, j, 1)?);
+        for &(i, at, n) in &g.members {
+            outs[i] = Some(o.narrow(0, at, n)?);
         }
     }
     for (i, s) in batch.iter().enumerate() {
@@ -353,7 +369,7 @@ mod rotated_tests {
         let (kr, vr) = cache.gather(0, 0, &slots, DType::F32).unwrap();
         let (ku, vu) = (rot.unrotate(&kr).unwrap(), rot.unrotate(&vr).unwrap());
         let scale = 1.0 / (d as f64).sqrt();
-        for n in [1usize, 5] {
+        for (n, as_decode) in [(1usize, false), (5, false), (5, true)] {
             let start = len - n;
             let q = Tensor::randn(0f32, 1.0, (n, h, d), &Device::Cpu).unwrap();
             let batch = [SeqSlice {
@@ -364,8 +380,8 @@ mod rotated_tests {
                 kstart: 0,
                 slots: slots.clone(),
             }];
-            let plan = plan_decode(&cache, &batch).unwrap();
-            assert_eq!(plan.len(), usize::from(n == 1));
+            let plan = plan_decode(&cache, &batch, as_decode).unwrap();
+            assert_eq!(plan.len(), usize::from(n == 1 || as_decode));
             let got = paged_attention(&q, &cache, 0, &batch, &plan, scale).unwrap();
             let want = attend_one(&q, &ku, &vu, start, 0, None, scale).unwrap();
             let exact = (&got - &want).unwrap().abs().unwrap().max_all().unwrap();

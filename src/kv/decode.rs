@@ -19,7 +19,7 @@
 //! - [`generic`]: gather → dequantize → dense attention with candle ops, for other backends and
 //!   as the test reference.
 
-mod cpu;
+pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod generic;

@@ -10,9 +10,12 @@
 //! once before attention and the output rotated back once after (`Rᵀ = R⁻¹`).
 //!
 //! Rows are `[.., D]` vectors; rotation is one `[N, D] × [D, D]` matmul, so every backend runs
-//! it (the D² work per vector is small next to the projections that produced it).
+//! it (the D² work per vector is small next to the projections that produced it); on the CPU a
+//! row-invariant one, so batching never changes a rotated vector.
 
 use candle_core::{DType, Device, Result, Tensor};
+
+use crate::ops::row_matmul;
 
 /// Seed of the default rotation (any fixed value works; stored with prompt caches).
 pub const DEFAULT_SEED: u64 = 0x6b76_715f_726f_7431;
@@ -71,15 +74,17 @@ impl Rotation {
 
     /// Rotates every head vector of `x` (`[.., D]`, or `[N, heads·D]` rows); same shape and dtype.
     pub fn rotate(&self, x: &Tensor) -> Result<Tensor> {
-        self.apply(x, &self.fwd)
+        self.apply(x, &self.fwd, &self.inv)
     }
 
     /// Undoes [`Rotation::rotate`].
     pub fn unrotate(&self, x: &Tensor) -> Result<Tensor> {
-        self.apply(x, &self.inv)
+        self.apply(x, &self.inv, &self.fwd)
     }
 
-    fn apply(&self, x: &Tensor, m: &Tensor) -> Result<Tensor> {
+    /// `x · m`, where `mt` is `mᵀ`. On the CPU through [`row_matmul`] (as `x · mtᵀ`), so a
+    /// vector's rotation does not depend on how many others are rotated in the same call.
+    fn apply(&self, x: &Tensor, m: &Tensor, mt: &Tensor) -> Result<Tensor> {
         let d = self.head_dim;
         let shape = x.shape().clone();
         if !shape.elem_count().is_multiple_of(d) {
@@ -94,7 +99,12 @@ impl Rotation {
         let rows = x
             .to_dtype(DType::F32)?
             .reshape((shape.elem_count() / d, d))?;
-        rows.matmul(m)?.to_dtype(dtype)?.reshape(shape)
+        let out = if row_matmul::supports(&rows, mt) {
+            row_matmul::matmul_t(&rows, mt)?
+        } else {
+            rows.matmul(m)?
+        };
+        out.to_dtype(dtype)?.reshape(shape)
     }
 }
 
@@ -197,6 +207,26 @@ mod tests {
             .to_vec1::<f32>()
             .unwrap()[0];
         assert!(peak < 40.0 / 4.0, "outlier not spread: peak {peak}");
+    }
+
+    /// On the CPU a vector rotates to the same bits alone and among others (row-invariant
+    /// matmul), both ways.
+    #[test]
+    fn rows_rotate_alike_alone_and_together() {
+        let dev = Device::Cpu;
+        let r = Rotation::new(64, DEFAULT_SEED, &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (37, 3 * 64), &dev).unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            v.iter().map(|f| f.to_bits()).collect()
+        };
+        for f in [Rotation::rotate, Rotation::unrotate] {
+            let all = f(&r, &x).unwrap();
+            for i in [0, 5, 36] {
+                let one = f(&r, &x.narrow(0, i, 1).unwrap()).unwrap();
+                assert_eq!(bits(&one), bits(&all.narrow(0, i, 1).unwrap()), "row {i}");
+            }
+        }
     }
 
     #[test]

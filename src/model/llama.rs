@@ -54,6 +54,8 @@ pub struct Llama {
     sin: Tensor,
     device: Device,
     dtype: DType,
+    /// Attend prompt tokens as decode queries ([`plan_decode`]): see [`Llama::batch_invariant`].
+    batch_invariant: bool,
 }
 
 impl Llama {
@@ -100,7 +102,24 @@ impl Llama {
             sin,
             device: w.device().clone(),
             dtype: w.dtype(),
+            batch_invariant: w.device().is_cpu(),
         })
+    }
+
+    /// Whether every row of a forward pass depends only on its own sequence (its tokens, its
+    /// cache), never on the other sequences in the call or on how its prompt was chunked: bit
+    /// for bit, greedy batched generation then equals each request alone. On the CPU (the
+    /// default there) with dense weights: projections go through the row-invariant matmul
+    /// (always), prompt tokens attend as decode queries of their own position through the
+    /// fused decode kernel, whose order depends only on a query's visible span.
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant
+    }
+
+    /// Turns the prompt-as-decode attention of [`Llama::batch_invariant`] on or off (off:
+    /// prompt chunks attend with matmuls over their keys).
+    pub fn set_batch_invariant(&mut self, on: bool) {
+        self.batch_invariant = on;
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -174,7 +193,7 @@ impl Llama {
         let scale = 1.0 / (hd as f64).sqrt();
         let eps = cfg.rms_norm_eps as f32;
 
-        let decode = plan_decode(cache, &batch)?;
+        let decode = plan_decode(cache, &batch, self.batch_invariant)?;
         let spans: Vec<_> = batch
             .iter()
             .map(|s| (s.seq, s.start, s.offset, s.n))

@@ -14,6 +14,7 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use super::config::{Arch, ModelConfig};
+use crate::ops::row_matmul;
 
 /// A decoder tensor, by role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,9 +88,15 @@ impl Linear {
         matches!(self.w, QMatMul::QTensor(_))
     }
 
-    /// `x`: [T, in] → [T, out].
+    /// `x`: [T, in] → [T, out]. Dense weights on the CPU (f32, f16, bf16) go through
+    /// [`row_matmul`](crate::ops::row_matmul), so each output row depends only on its own input
+    /// row, however many rows share the call (batch invariance; it is also faster than candle's
+    /// gemm at these shapes).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.w.forward(x)?;
+        let y = match &self.w {
+            QMatMul::Tensor(w) if row_matmul::supports(x, w) => row_matmul::matmul_t(x, w)?,
+            w => w.forward(x)?,
+        };
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),

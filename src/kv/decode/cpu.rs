@@ -5,8 +5,9 @@
 //! KV head ([`kernel`] says how a task reads K and V), and the partial states of one
 //! (sequence, KV head) are merged at the end. Tasks are ordered chunk-major so that the KV heads
 //! of one chunk run back to back on a thread and share the cache lines of scales and biases
-//! (a slot's groups of all heads sit together). The chunk length adapts: long enough to amortise
-//! a task, short enough that a single long sequence still gives every thread several tasks.
+//! (a slot's groups of all heads sit together). The chunk length adapts to each sequence's own
+//! length (never to the batch: [`chunk_len`]): long enough to amortise a task, short enough
+//! that a single long sequence still gives several threads work.
 //!
 //! Scratch buffers live per thread and are reused across calls; the only per-call allocations
 //! are the query copy, the partial states and the output.
@@ -17,11 +18,11 @@
 //! [`simd::Portable`]. A head dimension that is not a multiple of 8 goes to the generic path.
 
 #[cfg(target_arch = "x86_64")]
-mod avx2;
+pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
-mod avx512;
+pub(crate) mod avx512;
 mod kernel;
-mod simd;
+pub(crate) mod simd;
 
 use super::{generic, Dims, Tables};
 use crate::kv::layer::LayerKv;
@@ -35,6 +36,17 @@ use std::cell::RefCell;
 /// Bounds of a task's length in positions.
 const MIN_CHUNK: usize = 64;
 const MAX_CHUNK: usize = 1024;
+/// Chunks a sequence is split into, within those bounds.
+const SPLITS: usize = 16;
+
+/// Positions per task of a sequence with `span` visible positions. A function of the span
+/// alone (not of the batch or the thread count): the chunking fixes the order in which a
+/// sequence's partial softmax states are merged, so a query's result is the same whatever else
+/// shares the call — batch invariance, and a prefill token attended as a decode query gives
+/// what the same position gives when decoded.
+fn chunk_len(span: usize) -> usize {
+    span.div_ceil(SPLITS).clamp(MIN_CHUNK, MAX_CHUNK)
+}
 
 /// A cache element type, read as f32.
 pub(crate) trait Elem: WithDType + Copy + Send + Sync {
@@ -149,15 +161,12 @@ struct Plan {
 }
 
 fn plan(d: &Dims, t: &Tables) -> Plan {
-    let span = |b: usize| (t.lens[b] - t.starts[b]) as usize;
-    let rows: usize = (0..d.batch).map(span).sum::<usize>() * d.kv_heads;
-    let want = 4 * rayon::current_num_threads().max(1);
-    let chunk = rows.div_ceil(want).clamp(MIN_CHUNK, MAX_CHUNK);
     let mut tasks = Vec::new();
     let mut seqs = Vec::with_capacity(d.batch);
     for b in 0..d.batch {
         let (s, l) = (t.starts[b] as usize, t.lens[b] as usize);
-        let nc = span(b).div_ceil(chunk);
+        let chunk = chunk_len(l - s);
+        let nc = (l - s).div_ceil(chunk);
         seqs.push((tasks.len(), nc));
         for c in 0..nc {
             let p0 = s + c * chunk;
@@ -557,6 +566,90 @@ mod tests {
                     .map(|(a, b)| (a - b).abs() / b.abs().max(1e-2))
                     .fold(0f32, f32::max);
                 assert!(err < 1e-4, "{format:?} {isa:?}: rel err {err}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod invariance_tests {
+    use super::super::{check_shapes, read_tables};
+    use super::*;
+    use crate::kv::layer::KvFormat;
+    use crate::kv::quant::QuantFormat;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 22) as f32 - 2.0
+            })
+            .collect()
+    }
+
+    /// A sequence decoded among others of other lengths (one of them long enough to be split
+    /// into many chunks) gives the same bits as decoded alone, on every vector implementation.
+    #[test]
+    fn a_sequence_does_not_depend_on_the_batch() {
+        let (bs, kvh, g, hd) = (16usize, 3usize, 3usize, 64usize);
+        let seqs = [(0usize, 37usize), (0, 700), (20, 150), (0, 1), (300, 1500)];
+        let per_seq = 1500usize.div_ceil(bs);
+        let nb = seqs.len();
+        let num_blocks = nb * per_seq;
+        let dev = Device::Cpu;
+        let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+        let (slots, width) = (num_blocks * bs, kvh * hd);
+        let k = Tensor::from_vec(values(slots * width, 1), (slots, width), &dev).unwrap();
+        let v = Tensor::from_vec(values(slots * width, 2), (slots, width), &dev).unwrap();
+        let q = Tensor::from_vec(values(nb * kvh * g * hd, 3), (nb, kvh * g, hd), &dev).unwrap();
+        let u32s = |v: Vec<u32>, n: usize| Tensor::from_vec(v, n, &dev).unwrap();
+        let call = |kv: &LayerKv, isa: Isa, which: &[usize]| -> Vec<u32> {
+            let b = which.len();
+            let tables: Vec<u32> = which
+                .iter()
+                .flat_map(|&i| table[i * per_seq..(i + 1) * per_seq].to_vec())
+                .collect();
+            let tables = Tensor::from_vec(tables, (b, per_seq), &dev).unwrap();
+            let starts = u32s(which.iter().map(|&i| seqs[i].0 as u32).collect(), b);
+            let lens = u32s(which.iter().map(|&i| seqs[i].1 as u32).collect(), b);
+            let ids = u32s(which.iter().map(|&i| i as u32).collect(), b);
+            let qb = q.index_select(&ids, 0).unwrap();
+            let dims = check_shapes(&qb, kv, &tables, &starts, &lens, bs, kvh).unwrap();
+            let t = read_tables(&dims, &tables, &starts, &lens).unwrap();
+            let out = decode_with(&qb, kv, &dims, &t, 0.125, isa).unwrap();
+            let out: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+            out.iter().map(|x| x.to_bits()).collect()
+        };
+        let affine =
+            |bits| KvFormat::affine(QuantFormat::new(bits, 64).unwrap(), DType::F32, false);
+        for format in [KvFormat::Dense(DType::F32), affine(4), affine(8)] {
+            let kv = LayerKv::zeros(format, slots, width, &dev).unwrap();
+            kv.write_run(0, &k, &v).unwrap();
+            let mut isas = vec![Isa::Portable];
+            #[cfg(target_arch = "x86_64")]
+            {
+                if avx2::available() {
+                    isas.push(Isa::Avx2);
+                }
+                if avx512::available() {
+                    isas.push(Isa::Avx512);
+                }
+            }
+            for isa in isas {
+                let all: Vec<usize> = (0..nb).collect();
+                let together = call(&kv, isa, &all);
+                let row = kvh * g * hd;
+                for i in 0..nb {
+                    let alone = call(&kv, isa, &[i]);
+                    assert_eq!(
+                        alone,
+                        together[i * row..(i + 1) * row],
+                        "{format:?} {isa:?}: sequence {i}"
+                    );
+                }
             }
         }
     }

@@ -11,7 +11,7 @@ use super::simd::Simd;
 use std::arch::x86_64::*;
 
 /// Whether [`Avx2`] may be used on this CPU.
-pub(super) fn available() -> bool {
+pub(crate) fn available() -> bool {
     static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *OK.get_or_init(|| {
         is_x86_feature_detected!("avx2")

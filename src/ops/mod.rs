@@ -1,0 +1,3 @@
+//! CPU kernels shared by the model and the KV cache.
+
+pub mod row_matmul;

@@ -252,3 +252,46 @@ fn generation_stops_at_the_end_of_the_window() {
         "prompt {p} + generated {g} should fill the 64-token window"
     );
 }
+
+#[test]
+fn prompt_file_gives_the_same_prompt_and_bad_files_are_refused() {
+    let cfg = fixture("tiny-llama/config.json");
+    let cfg = cfg.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let text = "the quick brown fox jumps over the lazy dog";
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, format!("{text}\n")).unwrap();
+    let file = file.to_str().unwrap();
+    let base = [
+        "generate",
+        "--load-format",
+        "dummy",
+        "--config",
+        cfg,
+        "--raw",
+    ];
+    let ids = |extra: &[&str]| -> serde_json::Value {
+        let mut args = base.to_vec();
+        args.extend_from_slice(&["--max-tokens", "1", "--json"]);
+        args.extend_from_slice(extra);
+        let out = kvq(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["prompt_tokens"].clone()
+    };
+    // The file's trailing newline is dropped: the same ids as the argument.
+    assert_eq!(ids(&["--prompt-file", file]), ids(&[text]));
+
+    let mut both = base.to_vec();
+    both.extend_from_slice(&["--prompt-file", file, text]);
+    fails_with(&both, "either a PROMPT or --prompt-file");
+    let missing = dir.path().join("nope.txt");
+    let mut gone = base.to_vec();
+    gone.extend_from_slice(&["--prompt-file", missing.to_str().unwrap()]);
+    fails_with(&gone, "nope.txt");
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "\n").unwrap();
+    let mut blank = base.to_vec();
+    blank.extend_from_slice(&["--prompt-file", empty.to_str().unwrap()]);
+    fails_with(&blank, "the prompt is empty");
+}

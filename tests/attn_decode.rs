@@ -535,7 +535,7 @@ mod cuda {
                         BLOCK,
                         c.kv_heads,
                         scale_of(&c),
-                        &rot,
+                        Some(&rot),
                     )
                     .unwrap();
                     let err = rel_err(&got, &want);

@@ -14,7 +14,7 @@
 //! the dense cache of `dtype` and each bit width. Times are per layer, medians, device-synchronised;
 //! the error is max |out - out_dense| over the attention outputs (same K/V data, same queries).
 
-use crate::kv::decode::{decode_attention, decode_attention_rotated};
+use crate::kv::decode::decode_attention_rotated;
 use crate::kv::layer::{KvFormat, LayerKv};
 use crate::kv::quant::{self, QuantFormat, Quantized};
 use crate::kv::rotation::{Rotation, DEFAULT_SEED};
@@ -511,12 +511,9 @@ fn attention_rows(
             progress,
             &format!("attention {mode}, {len} tokens"),
             || {
-                out = Some(match rot {
-                    Some(r) => decode_attention_rotated(
-                        &q, &pool, &tables, &starts, &lens, bs, kvh, scale, r,
-                    )?,
-                    None => decode_attention(&q, &pool, &tables, &starts, &lens, bs, kvh, scale)?,
-                });
+                out = Some(decode_attention_rotated(
+                    &q, &pool, &tables, &starts, &lens, bs, kvh, scale, rot,
+                )?);
                 Ok(())
             },
         )?;

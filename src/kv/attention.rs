@@ -9,7 +9,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::cache::{PagedKvCache, SeqId};
-use super::decode::{decode_attention, decode_attention_rotated};
+use super::decode::decode_attention_rotated;
 
 /// One sequence's share of a forward pass: `n` new tokens at positions `start..start + n`,
 /// rows `offset..offset + n` of the flattened batch.
@@ -109,34 +109,17 @@ pub fn paged_attention(
     for g in decode {
         let rot = cache.rotation(layer, g.main);
         let qg = q.index_select(&g.rows, 0)?;
-        let (pool, bs, kvh) = (
+        let o = decode_attention_rotated(
+            &qg,
             cache.layer_storage(layer, g.main),
+            &g.tables,
+            &g.starts,
+            &g.lens,
             cfg.block_size,
             cfg.num_kv_heads,
-        );
-        let o = match rot {
-            Some(r) => decode_attention_rotated(
-                &qg,
-                pool,
-                &g.tables,
-                &g.starts,
-                &g.lens,
-                bs,
-                kvh,
-                scale as f32,
-                r,
-            )?,
-            None => decode_attention(
-                &qg,
-                pool,
-                &g.tables,
-                &g.starts,
-                &g.lens,
-                bs,
-                kvh,
-                scale as f32,
-            )?,
-        };
+            scale as f32,
+            rot,
+        )?;
         if g.members.len() == batch.len() {
             return Ok(o); // every sequence is in this group, in batch order
         }

@@ -284,36 +284,24 @@ pub fn decode_attention(
     num_kv_heads: usize,
     scale: f32,
 ) -> Result<Tensor> {
-    let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
-    if dims.batch == 0 {
-        return q.zeros_like();
-    }
-    // The fused kernels read K and V in one format; mixed key/value widths take the generic
-    // path (still only the visible rows are dequantized).
-    let mixed = matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt);
-    match q.device() {
-        _ if mixed => {
-            let t = read_tables(&dims, block_tables, starts, lens)?;
-            generic::decode_checked(q, kv, &dims, &t, scale)
-        }
-        Device::Cpu => {
-            let t = read_tables(&dims, block_tables, starts, lens)?;
-            cpu::decode(q, kv, &dims, &t, scale)
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, None),
-        _ => {
-            let t = read_tables(&dims, block_tables, starts, lens)?;
-            generic::decode_checked(q, kv, &dims, &t, scale)
-        }
-    }
+    decode_attention_rotated(
+        q,
+        kv,
+        block_tables,
+        starts,
+        lens,
+        block_size,
+        num_kv_heads,
+        scale,
+        None,
+    )
 }
 
-/// [`decode_attention`] over a pool of rows stored rotated by `rot` (the `rotated` scheme):
-/// attends with `q·R` and rotates the output back (`o·Rᵀ`), so it returns what attention over
-/// the unrotated rows would. The CUDA kernel for quantized head_dim 64 / 128 pools does both in
-/// place (a Walsh-Hadamard transform in its prologue and in the merge); elsewhere they are two
-/// small matmuls around [`decode_attention`].
+/// [`decode_attention`] over a pool of rows stored rotated by `rot` (the `rotated` scheme;
+/// `None`: plain rows): attends with `q·R` and rotates the output back (`o·Rᵀ`), so it returns
+/// what attention over the unrotated rows would. The CUDA kernel for quantized head_dim 64 / 128
+/// pools does both in place (a Walsh-Hadamard transform in its prologue and in the merge);
+/// elsewhere they are two small matmuls around the kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention_rotated(
     q: &Tensor,
@@ -324,25 +312,34 @@ pub fn decode_attention_rotated(
     block_size: usize,
     num_kv_heads: usize,
     scale: f32,
-    rot: &Rotation,
+    rot: Option<&Rotation>,
 ) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && !matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt) {
-        let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
-        if dims.batch == 0 {
-            return q.zeros_like();
-        }
-        return cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, Some(rot));
+    let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
+    if dims.batch == 0 {
+        return q.zeros_like();
     }
-    let o = decode_attention(
-        &rot.rotate(q)?,
-        kv,
-        block_tables,
-        starts,
-        lens,
-        block_size,
-        num_kv_heads,
-        scale,
-    )?;
-    rot.unrotate(&o)
+    // The fused kernels read K and V in one format; mixed key/value widths take the generic
+    // path (still only the visible rows are dequantized).
+    let mixed = matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt);
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && !mixed {
+        return cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, rot);
+    }
+    let rq;
+    let q = match rot {
+        Some(r) => {
+            rq = r.rotate(q)?;
+            &rq
+        }
+        None => q,
+    };
+    let t = read_tables(&dims, block_tables, starts, lens)?;
+    let o = match q.device() {
+        Device::Cpu if !mixed => cpu::decode(q, kv, &dims, &t, scale)?,
+        _ => generic::decode_checked(q, kv, &dims, &t, scale)?,
+    };
+    match rot {
+        Some(r) => r.unrotate(&o),
+        None => Ok(o),
+    }
 }

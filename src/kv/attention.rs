@@ -7,6 +7,7 @@
 //! (`kv::rotation`) attend in the rotated space: the query is rotated in, the output back.
 
 use candle_core::{DType, Result, Tensor};
+use std::cell::OnceCell;
 
 use super::cache::{PagedKvCache, SeqId};
 use super::decode::decode_attention_rotated;
@@ -23,6 +24,9 @@ pub struct SeqSlice {
     pub kstart: usize,
     /// Cache slots of positions `kstart..start + n` (u32), shared by all layers.
     pub slots: Tensor,
+    /// A prompt chunk's causal mask (`None`: it needs none), built by the first layer that
+    /// attends the chunk by gathering and shared by the others.
+    pub mask: OnceCell<Option<Tensor>>,
 }
 
 /// Queries that share a pool and go through the fused decode kernel together: every decode
@@ -135,6 +139,14 @@ pub fn paged_attention(
             .gather(layer, s.seq, &s.slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
+        let mask = match s.mask.get() {
+            Some(m) => m.clone(),
+            None => {
+                let m = chunk_mask(s.n, k.dim(0)?, s.start, s.kstart, cfg.window, q.device())?;
+                s.mask.get_or_init(|| m.clone());
+                m
+            }
+        };
         // Rotated rows: attend in the rotated space, then rotate the output back.
         let rot = cache
             .in_main_pool(s.seq)
@@ -142,16 +154,14 @@ pub fn paged_attention(
             .then(|| cache.rotation(layer, true))
             .flatten();
         let o = match rot {
-            Some(r) => r.unrotate(&attend_one(
+            Some(r) => r.unrotate(&attend_masked(
                 &r.rotate(&qs)?,
                 &k,
                 &v,
-                s.start,
-                s.kstart,
-                cfg.window,
+                mask.as_ref(),
                 scale,
             )?)?,
-            None => attend_one(&qs, &k, &v, s.start, s.kstart, cfg.window, scale)?,
+            None => attend_masked(&qs, &k, &v, mask.as_ref(), scale)?,
         };
         outs[i] = Some(o);
     }
@@ -171,6 +181,34 @@ pub fn attend_one(
     window: Option<usize>,
     scale: f64,
 ) -> Result<Tensor> {
+    let mask = chunk_mask(q.dim(0)?, k.dim(0)?, start, kstart, window, q.device())?;
+    attend_masked(q, k, v, mask.as_ref(), scale)
+}
+
+/// The additive mask `attend_one` needs for `n` queries over `l` keys, if any (one query with
+/// no window that cuts its keys sees them all).
+fn chunk_mask(
+    n: usize,
+    l: usize,
+    start: usize,
+    kstart: usize,
+    window: Option<usize>,
+    dev: &candle_core::Device,
+) -> Result<Option<Tensor>> {
+    let needs_mask = n > 1 || window.is_some_and(|w| l > w);
+    needs_mask
+        .then(|| causal_mask(n, l, start, kstart, window, dev))
+        .transpose()
+}
+
+/// [`attend_one`] with its mask (`[n, L]`, or none) given.
+fn attend_masked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
     let (n, h, d) = q.dims3()?;
     let (l, kvh, _) = k.dims3()?;
     let g = h / kvh;
@@ -187,15 +225,12 @@ pub fn attend_one(
         .matmul(&kt.t()?)?
         .to_dtype(DType::F32)?
         .affine(scale, 0.0)?; // [KVH, G*n, L]
-    let needs_mask = n > 1 || window.is_some_and(|w| l > w);
-    let scores = if needs_mask {
-        let mask = causal_mask(n, l, start, kstart, window, q.device())?; // [n, L]
-        scores
+    let scores = match mask {
+        Some(mask) => scores
             .reshape((kvh, g, n, l))?
-            .broadcast_add(&mask)?
-            .reshape((kvh, g * n, l))?
-    } else {
-        scores
+            .broadcast_add(mask)?
+            .reshape((kvh, g * n, l))?,
+        None => scores,
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
     probs
@@ -362,6 +397,7 @@ mod rotated_tests {
                 n,
                 kstart: 0,
                 slots: slots.clone(),
+                mask: Default::default(),
             }];
             let plan = plan_decode(&cache, &batch, as_decode).unwrap();
             assert_eq!(plan.len(), usize::from(n == 1 || as_decode));

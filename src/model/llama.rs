@@ -181,6 +181,7 @@ impl Llama {
                 n,
                 kstart,
                 slots: Tensor::from_vec(slots, start + n - kstart, &self.device)?,
+                mask: Default::default(),
             });
             tokens.extend_from_slice(&inp.tokens);
             positions.extend((start..start + n).map(|p| p as u32));

@@ -21,9 +21,9 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::kv::decode::cpu::simd::{Portable, Simd};
-use crate::kv::decode::cpu::Elem;
 #[cfg(target_arch = "x86_64")]
 use crate::kv::decode::cpu::{avx2, avx512};
+use crate::kv::decode::cpu::{Elem, Isa};
 
 /// Rows of `x` per register block.
 const MR: usize = 4;
@@ -31,32 +31,6 @@ const MR: usize = 4;
 /// each block of `W` rows is reused from L1 across them.
 const MC: usize = 32;
 const NC: usize = 64;
-
-/// Which vector implementation runs the tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Isa {
-    /// The widest implementation this CPU has (never depends on the operands).
-    fn best() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if avx512::available() {
-                return Isa::Avx512;
-            }
-            if avx2::available() {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
-    }
-}
 
 /// Whether [`matmul_t`] takes these operands: CPU tensors of one dtype (f32, f16 or bf16), `x`
 /// `[.., k]`, `w` `[n, k]`.
@@ -92,7 +66,7 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (xs, xl) = x.storage_and_layout();
         let (ws, wl) = w.storage_and_layout();
         let xd = cpu_slice::<f32>(&xs, xl)?;
-        let isa = Isa::best();
+        let isa = Isa::widest();
         match dtype {
             DType::F16 => run(xd, cpu_slice::<f16>(&ws, wl)?, m, n, k, &mut y, isa),
             DType::BF16 => run(xd, cpu_slice::<bf16>(&ws, wl)?, m, n, k, &mut y, isa),
@@ -284,20 +258,6 @@ mod tests {
             .collect()
     }
 
-    fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if avx2::available() {
-                v.push(Isa::Avx2);
-            }
-            if avx512::available() {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
-    }
-
     const SHAPES: [(usize, usize, usize); 7] = [
         (1, 1, 1),
         (7, 5, 3),
@@ -313,7 +273,7 @@ mod tests {
     fn matches_f64_reference() {
         for (m, n, k) in SHAPES {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
-            for isa in isas() {
+            for isa in Isa::all_available() {
                 let mut y = vec![0f32; m * n];
                 run(&x, &w, m, n, k, &mut y, isa);
                 for i in 0..m {
@@ -339,7 +299,7 @@ mod tests {
     fn rows_do_not_depend_on_the_batch() {
         for (m, n, k) in SHAPES {
             let (x, w) = (values(m * k, 3), values(n * k, 4));
-            for isa in isas() {
+            for isa in Isa::all_available() {
                 let mut all = vec![0f32; m * n];
                 run(&x, &w, m, n, k, &mut all, isa);
                 for i in 0..m {

@@ -106,9 +106,9 @@ fn f16_bits_to_f32(h: u16) -> f32 {
     f32::from_bits(v | sign)
 }
 
-/// Which vector implementation runs the tasks.
+/// Which vector implementation runs the tasks (also `ops::row_matmul`'s tiles).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
+pub(crate) enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -117,19 +117,44 @@ enum Isa {
 }
 
 impl Isa {
-    /// The widest implementation this CPU and head dimension allow (`head_dim % 8 == 0`).
-    fn best(head_dim: usize) -> Isa {
+    /// The widest implementation this CPU has.
+    pub(crate) fn widest() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if head_dim.is_multiple_of(16) && avx512::available() {
+            if avx512::available() {
                 return Isa::Avx512;
             }
             if avx2::available() {
                 return Isa::Avx2;
             }
         }
-        let _ = head_dim;
         Isa::Portable
+    }
+
+    /// Every implementation this CPU has, narrowest first (tests run each).
+    #[cfg(test)]
+    pub(crate) fn all_available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::available() {
+                v.push(Isa::Avx2);
+            }
+            if avx512::available() {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    /// The widest implementation this CPU and head dimension allow (`head_dim % 8 == 0`; 16
+    /// lanes need `head_dim % 16 == 0`).
+    fn best(head_dim: usize) -> Isa {
+        match Isa::widest() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if !head_dim.is_multiple_of(16) => Isa::Avx2,
+            isa => isa,
+        }
     }
 }
 
@@ -547,17 +572,7 @@ mod tests {
             let t = read_tables(&dims, &tables, &starts, &lens).unwrap();
             let want = generic::decode_checked(&q, &kv, &dims, &t, 0.125).unwrap();
             let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
-            let mut isas = vec![Isa::Portable];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if avx2::available() {
-                    isas.push(Isa::Avx2);
-                }
-                if avx512::available() {
-                    isas.push(Isa::Avx512);
-                }
-            }
-            for isa in isas {
+            for isa in Isa::all_available() {
                 let got = decode_with(&q, &kv, &dims, &t, 0.125, isa).unwrap();
                 let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
                 let err = got
@@ -628,17 +643,7 @@ mod invariance_tests {
         for format in [KvFormat::Dense(DType::F32), affine(4), affine(8)] {
             let kv = LayerKv::zeros(format, slots, width, &dev).unwrap();
             kv.write_run(0, &k, &v).unwrap();
-            let mut isas = vec![Isa::Portable];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if avx2::available() {
-                    isas.push(Isa::Avx2);
-                }
-                if avx512::available() {
-                    isas.push(Isa::Avx512);
-                }
-            }
-            for isa in isas {
+            for isa in Isa::all_available() {
                 let all: Vec<usize> = (0..nb).collect();
                 let together = call(&kv, isa, &all);
                 let row = kvh * g * hd;

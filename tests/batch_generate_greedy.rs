@@ -15,8 +15,6 @@ use kvq::engine::scheduler::{Engine, EngineConfig};
 use kvq::kv::cache::{CacheConfig, PagedKvCache};
 use kvq::model::llama::{LogitsFor, SeqInput};
 use kvq::model::load::{load, LoadedModel};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
@@ -114,24 +112,9 @@ fn batched_greedy_equals_alone() {
         reqs.push(request(c["id"].clone(), ids(&c["input_ids"]), n, &eos));
     }
     // 50 prompts of random lengths cut from real text; every fifth one repeats an earlier one.
-    let corpus_path = reference_dir().join("corpus-first65536-token-ids.txt");
-    let corpus: Vec<u32> = std::fs::read_to_string(&corpus_path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", corpus_path.display()))
-        .split_whitespace()
-        .map(|t| t.parse().unwrap())
-        .collect();
-    let mut rng = StdRng::seed_from_u64(5);
-    let mut random: Vec<Vec<u32>> = Vec::new();
-    for i in 0..50 {
-        let p = if i % 5 == 4 {
-            random[rng.random_range(0..random.len())].clone()
-        } else {
-            let len = rng.random_range(1..=120);
-            let at = rng.random_range(0..corpus.len() - len);
-            corpus[at..at + len].to_vec()
-        };
-        random.push(p.clone());
-        reqs.push(request(Value::from(i), p, 16, &eos));
+    let random = random_corpus_prompts(5, 50);
+    for (i, p) in random.iter().enumerate() {
+        reqs.push(request(Value::from(i), p.clone(), 16, &eos));
     }
     // Interleave so reference and random requests share batches.
     let (refs, rands) = reqs.split_at(cases.len());

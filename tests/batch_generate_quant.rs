@@ -27,8 +27,6 @@ use kvq::kv::layer::{KvFormat, LayerRows};
 use kvq::kv::quant::QuantFormat;
 use kvq::model::llama::{LogitsFor, SeqInput};
 use kvq::model::load::{load, LoadedModel};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 
 const NEW_TOKENS: usize = 12;
@@ -148,24 +146,7 @@ fn prompts() -> Vec<Vec<u32>> {
         .iter()
         .map(|c| ids(&c["input_ids"]))
         .collect();
-    let corpus_path = reference_dir().join("corpus-first65536-token-ids.txt");
-    let corpus: Vec<u32> = std::fs::read_to_string(&corpus_path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", corpus_path.display()))
-        .split_whitespace()
-        .map(|t| t.parse().unwrap())
-        .collect();
-    let mut rng = StdRng::seed_from_u64(7);
-    let mut random: Vec<Vec<u32>> = Vec::new();
-    for i in 0..30 {
-        let p = if i % 5 == 4 {
-            random[rng.random_range(0..random.len())].clone()
-        } else {
-            let len = rng.random_range(1..=120);
-            let at = rng.random_range(0..corpus.len() - len);
-            corpus[at..at + len].to_vec()
-        };
-        random.push(p);
-    }
+    let random = random_corpus_prompts(7, 30);
     let mut mixed = Vec::new();
     let mut refs = refs.into_iter();
     for (i, r) in random.into_iter().enumerate() {

@@ -90,3 +90,28 @@ pub fn reference_generate_args(
     }
     args
 }
+
+/// `count` prompts of 1..=120 token ids cut from the reference corpus's ids at random places
+/// (seeded); every fifth one repeats an earlier prompt, so batches hold identical prompts.
+pub fn random_corpus_prompts(seed: u64, count: usize) -> Vec<Vec<u32>> {
+    use rand::{Rng, SeedableRng};
+    let corpus_path = reference_dir().join("corpus-first65536-token-ids.txt");
+    let corpus: Vec<u32> = std::fs::read_to_string(&corpus_path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", corpus_path.display()))
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    for i in 0..count {
+        let p = if i % 5 == 4 {
+            prompts[rng.random_range(0..prompts.len())].clone()
+        } else {
+            let len = rng.random_range(1..=120);
+            let at = rng.random_range(0..corpus.len() - len);
+            corpus[at..at + len].to_vec()
+        };
+        prompts.push(p);
+    }
+    prompts
+}

@@ -22,6 +22,10 @@
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -319,38 +323,168 @@ __device__ __forceinline__ void rotate_rows(float* x, const float* __restrict__ 
     __syncthreads();
 }
 
-// Warp-independent kernel for quantized pools, head_dim D in {64, 128} (decode_q_*):
-// the block-wide kernel above syncs its 128 threads three times per tile of positions, so at
-// most one tile's loads are in flight per block and the quantized rows' unpacking sits between
-// them. Here each of the 4 warps walks its own tiles of 32 positions with its own online
-// softmax, and only the end of the block combines them:
-//   1. scores: one lane per position; the lane loads its K row (D·B/8 bytes) in 8/16-byte
-//      pieces and computes q·k̂ = Σ_chunks scale·(q·codes) + bias·Σq for QG query heads
-//      (q in shared memory, read by all lanes at one address: broadcast);
-//   2. warp max / exp in registers (the running sum stays per lane until the end);
+// Warp-independent kernel for quantized pools, head_dim D in {64, 128} (decode_q_* and, with
+// tensor-core scores, decode_qm_*): each of the 4 warps walks its own tiles of 32 positions
+// with its own online softmax, and only the end of the block combines them (the block-wide
+// kernel above syncs its 128 threads three times per tile, so one tile's loads at most are in
+// flight per block).
+//   1. scores for QG = 4 query heads (grid z picks which; absent heads get q = 0 and are not
+//      written), either
+//      - SIMT (GS = 0, any width): one lane per position loads its K row and computes q·k̂ with
+//        q in shared memory (broadcast reads), or
+//      - tensor cores (GS = group size, 4- and 8-bit): S = Q·Kᵀ per group with
+//        mma.m16n8k16 (rows = heads, columns = 8 positions, k = 16 dims). Codes are exact in
+//        f16; q is split into two f16 terms (hi + lo, ~22 bits) so the products keep f32
+//        accuracy; the group's scale and bias are applied to its partial dot products;
+//   2. online softmax in registers;
 //   3. V: D/8 lanes per position, 32·8/D positions per step; a lane takes the weights and the
 //      slot of its position by shuffle and accumulates 8 values for every head.
-// Heads are handled QG = 4 at a time (grid z); absent heads get q = 0 and are not written.
+// Bound by instruction issue and memory latency more than bandwidth, hence also:
+//   - SIMT codes are read as x = 1 + c·2^-B, built from their bits by a shift and a logic op
+//     (no int → float conversion): Σ q·(s·c + b) = s'·Σ q·x + (b − s')·Σ q with s' = s·2^B,
+//     and likewise for V;
+//   - each lane looks up its position's block one tile ahead and asks L2 for the next tile's
+//     rows while it works on this one;
+//   - V loads are unconditional (a masked position reads slot 0 with weight 0), so they can
+//     all be issued before the first multiply-add.
+// q is read in the cache's element type and scaled here.
 #define QG 4
 #define QW 4
 
-template <typename T, int B, int D>
+// Code k (B bits, k·B < 64) of the little-endian bit stream w[0], w[1], ... as 1 + c·2^-B: the
+// code is moved to the top of the f32 mantissa and ORed into the bits of 1.0 (one LOP3 with
+// both constants in registers).
+template <int B> __device__ __forceinline__ float frac_at(const uint32_t* w, int k) {
+    const int bit = k * B, wi = bit >> 5, s = bit & 31;
+    constexpr int top = 23 - B;  // where the code's lowest bit must land
+    uint32_t v;
+    if (s + B > 32) {
+        const uint32_t c = (w[wi] >> s) | (w[wi + 1] << (32 - s));
+        v = c << top;
+    } else if (s <= top) {
+        v = w[wi] << (top - s);
+    } else {
+        v = w[wi] >> (s - top);
+    }
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "r"(((1u << B) - 1) << top), "r"(0x3F800000u));
+    return __int_as_float(r);
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Asks L2 for the `bytes` (≤ 64) bytes from p: the 32-byte sectors of its first and last byte.
+__device__ __forceinline__ void prefetch_span(const void* p, int bytes) {
+    const char* c = reinterpret_cast<const char*>(p);
+    prefetch_l2(c);
+    if (((reinterpret_cast<uintptr_t>(c) & 31) + bytes) > 32) prefetch_l2(c + bytes - 1);
+}
+
+// D = A·B + D for one m16n8k16 tile, f16 inputs, f32 accumulators.
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// NG consecutive values of T as f32 (one aligned vector load where the size allows).
+template <typename T, int NG> __device__ __forceinline__ void load_groups(const T* p, float* out) {
+    if (sizeof(T) * NG == 4) {
+        const uint32_t x = *reinterpret_cast<const uint32_t*>(p);
+        const T* h = reinterpret_cast<const T*>(&x);
+#pragma unroll
+        for (int i = 0; i < NG; i++) out[i] = to_f(h[i]);
+    } else if (sizeof(T) * NG == 8) {
+        const uint2 x = *reinterpret_cast<const uint2*>(p);
+        const T* h = reinterpret_cast<const T*>(&x);
+#pragma unroll
+        for (int i = 0; i < NG; i++) out[i] = to_f(h[i]);
+    } else if (sizeof(T) * NG == 16) {
+        const uint4 x = *reinterpret_cast<const uint4*>(p);
+        const T* h = reinterpret_cast<const T*>(&x);
+#pragma unroll
+        for (int i = 0; i < NG; i++) out[i] = to_f(h[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < NG; i++) out[i] = to_f(p[i]);
+    }
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// The B fragment (two f16 pairs) of one k-step from the lane's code word x: B = 4: the 2 bytes
+// at byte `byte` of x (4 codes: low/high nibble of each); B = 8: the 4 bytes of x. Dims d0..d3
+// of the k-step map to k = (2t, 2t+8, 2t+1, 2t+9): b0 = (c(d0), c(d2)), b1 = (c(d1), c(d3)).
+// Codes are exact in f16: 1024 + c built from bits, then 1024 subtracted.
+template <int B> __device__ __forceinline__ void code_frag(uint32_t x, int byte, uint32_t& b0, uint32_t& b1) {
+    const uint32_t magic = 0x64646464u;
+    const __half2 k1024 = __floats2half2_rn(-1024.f, -1024.f);
+    uint32_t r0, r1;
+    if (B == 4) {
+        const uint32_t sel = (uint32_t)byte | 0x40u | ((uint32_t)(byte + 1) << 8) | 0x4000u;
+        r0 = __byte_perm(x, magic, sel) & 0xFF0FFF0Fu;
+        r1 = __byte_perm(x >> 4, magic, sel) & 0xFF0FFF0Fu;
+    } else {
+        r0 = __byte_perm(x, magic, 0x4240);
+        r1 = __byte_perm(x, magic, 0x4341);
+    }
+    const __half2 h0 = __hadd2(*reinterpret_cast<const __half2*>(&r0), k1024);
+    const __half2 h1 = __hadd2(*reinterpret_cast<const __half2*>(&r1), k1024);
+    b0 = *reinterpret_cast<const uint32_t*>(&h0);
+    b1 = *reinterpret_cast<const uint32_t*>(&h1);
+}
+
+// e^x by the SFU's 2^x, flushing results below f32's normal range to 0 (softmax weights that
+// small do not count): no range fix-up around the approximation.
+__device__ __forceinline__ float fast_exp(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
+template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void qdecode_impl(
-    const float* __restrict__ q, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
+    const T* __restrict__ q, float scale, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
     const T* __restrict__ kb, const uint32_t* __restrict__ vc, const T* __restrict__ vs,
     const T* __restrict__ vb, const uint32_t* __restrict__ tables,
     const uint32_t* __restrict__ starts, const uint32_t* __restrict__ lens, int max_blocks,
     int num_blocks, int block_size, int kvh, int G, int group, int split_len,
     float* __restrict__ part_acc, float* __restrict__ part_ml, const float* __restrict__ signs,
-    int rotated) {
+    int rotated, T* __restrict__ out, unsigned* __restrict__ counters, int nsplit) {
+    constexpr bool MMA = GS > 0;
     constexpr int HB = D * B / 8;                 // code bytes of one head in one row
-    constexpr int VEC = (HB % 16 == 0) ? 16 : 8;  // K load width
+    constexpr int VEC = (HB % 16 == 0) ? 16 : 8;  // SIMT K load width
     constexpr int NCH = D / 32;                   // 32-code chunks (B words each)
     constexpr int LPR = D / 8;                    // V lanes per position
     constexpr int RPS = 32 / LPR;                 // V positions per step
+    constexpr float TWO_B = (float)(1u << B);
+    // Tensor-core scores: groups per head, k-steps per group and in all, code words per lane
+    // and position (a lane holds a quarter of each group of the row: GS·B/32 bytes).
+    constexpr int NG = MMA ? D / GS : 1;
+    constexpr int KS = MMA ? GS / 16 : 1;
+    constexpr int KST = D / 16;
+    constexpr int QWB = MMA ? GS * B / 32 : 4;   // bytes of a lane's quarter of a group
+    constexpr int WPL = MMA ? NG * QWB / 4 : 1;  // words per lane and position
+    // Tensor-core V (groups of 64 or 128: at most two per head): C[dim][col] += codes · P' with
+    // 8 columns = (group, head) and P' = weight · that group's scale, so each group's scales
+    // enter through its own columns; a dim keeps the column of its own group. A lane reads
+    // bytes [gq·BPL, (gq+1)·BPL) of its positions' rows: dims [gq·D/8, (gq+1)·D/8).
+    constexpr bool VMMA = MMA && NG <= 2;
+    constexpr int MT = D / 16;      // m-tiles of 16 dims
+    constexpr int BPL = HB / 8;     // bytes per lane and position
+    constexpr int VW = (BPL + 3) / 4;
     const unsigned FULL = 0xffffffffu;
+    if (MMA) group = GS;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;  // mma fragment coordinates
     const int b = blockIdx.x / kvh, kh = blockIdx.x % kvh;
     const int split = blockIdx.y, Bn = gridDim.x / kvh;
     const int j0 = blockIdx.z * QG, gn = min(QG, G - j0);
@@ -360,17 +494,23 @@ __device__ __forceinline__ void qdecode_impl(
     __shared__ float qsum_s[QG][NCH];
     __shared__ float wm_s[QW][QG], wl_s[QW][QG];
     __shared__ __align__(16) float wacc_s[QW][QG][D];
+    __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][4];  // q fragments: a0/a2, hi/lo
+    __shared__ unsigned qmax_s;
     __shared__ int bad_s;
 
     const uint32_t start = starts[b], len = lens[b];
     const bool bad_seq = len == 0 || start >= len ||
                          (uint64_t)len > (uint64_t)max_blocks * (uint64_t)block_size;
-    const long long p0 = (long long)start + (long long)split * split_len;
-    const long long p1 = min((long long)len, p0 + split_len);
+    const uint32_t p0 = start + (uint32_t)split * (uint32_t)split_len;
+    const uint32_t p1 = (uint32_t)min((long long)len, (long long)p0 + split_len);
 
-    const float* qb = q + ((size_t)b * H + (size_t)kh * G + j0) * D;
-    for (int i = tid; i < QG * D; i += blockDim.x) q_s[i / D][i % D] = (i / D) < gn ? qb[i] : 0.f;
-    if (tid == 0) bad_s = bad_seq;
+    const T* qb = q + ((size_t)b * H + (size_t)kh * G + j0) * D;
+    for (int i = tid; i < QG * D; i += blockDim.x)
+        q_s[i / D][i % D] = (i / D) < gn ? to_f(qb[i]) * scale : 0.f;
+    if (tid == 0) {
+        bad_s = bad_seq;
+        qmax_s = 0;
+    }
     __syncthreads();
     if (rotated) rotate_rows<D, QG>(&q_s[0][0], signs, tid, blockDim.x);
     for (int i = tid; i < QG * NCH; i += blockDim.x) {
@@ -380,146 +520,467 @@ __device__ __forceinline__ void qdecode_impl(
         for (int k = 0; k < 32; k++) s += src[k];
         qsum_s[i / NCH][i % NCH] = s;
     }
+    // Tensor-core q: scaled by a power of two so its largest value is near 1 (f16 range), split
+    // into hi + lo, laid out as each lane's A fragment per k-step (rows ≥ QG are zero).
+    float qexp = 1.f;
+    if (MMA) {
+        float mx = 0.f;
+        for (int i = tid; i < QG * D; i += blockDim.x) mx = fmaxf(mx, fabsf(q_s[i / D][i % D]));
+        atomicMax(&qmax_s, __float_as_uint(mx));
+        __syncthreads();
+        const float qm = __uint_as_float(qmax_s);
+        const int e = qm > 0.f && qm < 1e30f ? ilogbf(qm) + 1 : 0;
+        qexp = ldexpf(1.f, e);
+        const float inv = ldexpf(1.f, -e);
+        for (int i = tid; i < KST * 32; i += blockDim.x) {
+            const int s = i / 32, l = i % 32, g = l >> 2, t = l & 3;
+            const int d0 = (s / KS) * GS + t * (GS / 4) + 4 * (s % KS);
+            float v[4], hi[4], lo[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                v[j] = g < QG ? q_s[g < QG ? g : 0][d0 + j] * inv : 0.f;
+                hi[j] = __half2float(__float2half_rn(v[j]));
+                lo[j] = v[j] - hi[j];
+            }
+            qa_s[s][l][0] = pack_half2(hi[0], hi[2]);
+            qa_s[s][l][1] = pack_half2(hi[1], hi[3]);
+            qa_s[s][l][2] = pack_half2(lo[0], lo[2]);
+            qa_s[s][l][3] = pack_half2(lo[1], lo[3]);
+        }
+    }
     __syncthreads();
 
-    const size_t row_words = (size_t)kvh * D * B / 32, head_words = (size_t)D * B / 32;
-    const size_t row_groups = (size_t)kvh * (D / group), head_groups = D / group;
+    // A (slot, KV head) pair is a head row: hrow = slot·kvh + kh (32-bit; the host checks the
+    // pool's size), its codes at hrow·HB bytes, its scales and biases at hrow·hg.
+    const unsigned char* kcb = reinterpret_cast<const unsigned char*>(kc);
+    const unsigned char* vcb = reinterpret_cast<const unsigned char*>(vc);
+    const uint32_t hg = (uint32_t)(D / group), nkv = (uint32_t)kvh;
     const int c8 = lane % LPR, rsub = lane / LPR;
+    const uint32_t* tab = tables + (size_t)b * max_blocks;
+    const uint32_t bs = (uint32_t)block_size, nblk = (uint32_t)num_blocks;
+    // A position's block (or an invalid id past the split's end).
+    auto block_of = [&](uint32_t p) -> uint32_t { return p < p1 ? tab[p / bs] : 0xffffffffu; };
+    // qsum per group (tensor-core path), for the bias term.
+    float qsg[NG];
+    if (MMA) {
+#pragma unroll
+        for (int gi = 0; gi < NG; gi++) {
+            float s = 0.f;
+            for (int c = gi * GS / 32; c < (gi + 1) * GS / 32; c++) s += qsum_s[gq < QG ? gq : 0][c];
+            qsg[gi] = s;
+        }
+    }
 
-    float m_w[QG], l_w[QG], acc[QG][8], accb[QG];
+    float m_w[QG], l_w[QG], acc[VMMA ? 1 : QG][8], accb[VMMA ? 1 : QG];
+    float cv[VMMA ? MT : 1][4], accb_c = 0.f;  // tensor-core V: C tiles, bias of column gq
 #pragma unroll
     for (int j = 0; j < QG; j++) {
         m_w[j] = neg_inf();
         l_w[j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < (VMMA ? 1 : QG); j++) {
         accb[j] = 0.f;
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[j][k] = 0.f;
     }
+#pragma unroll
+    for (int i = 0; i < (VMMA ? MT : 1); i++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) cv[i][k] = 0.f;
     bool bad_row = false;
 
     if (!bad_seq) {
-        for (long long t0 = p0 + (long long)warp * 32; t0 < p1; t0 += QW * 32) {
-            const long long p = t0 + lane;
+        uint32_t t0 = p0 + (uint32_t)warp * 32;
+        const uint32_t stride = QW * 32;
+        uint32_t blk = block_of(t0 + lane), blk1 = block_of(t0 + stride + lane);
+        for (; t0 < p1; t0 += stride) {
+            const uint32_t p = t0 + lane;
             bool valid = p < p1;
-            size_t slot = 0;
+            uint32_t hrow = 0;
             if (valid) {
-                const uint32_t blk = tables[(size_t)b * max_blocks + p / block_size];
-                if (blk >= (uint32_t)num_blocks) {
+                if (blk >= nblk) {
                     bad_row = true;
                     valid = false;
                 } else {
-                    slot = (size_t)blk * block_size + p % block_size;
+                    hrow = (blk * bs + p % bs) * nkv + kh;
                 }
             }
-            // 1. scores.
-            float s[QG];
-#pragma unroll
-            for (int j = 0; j < QG; j++) s[j] = neg_inf();
-            if (valid) {
-                const unsigned char* row =
-                    reinterpret_cast<const unsigned char*>(kc + slot * row_words + kh * head_words);
-                uint32_t w[HB / 4];
-#pragma unroll
-                for (int i = 0; i < HB / VEC; i++) {
-                    if (VEC == 16) {
-                        const uint4 x = reinterpret_cast<const uint4*>(row)[i];
-                        w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
-                    } else {
-                        const uint2 x = reinterpret_cast<const uint2*>(row)[i];
-                        w[2 * i] = x.x; w[2 * i + 1] = x.y;
-                    }
+            // The next tile: its rows into L2 now; the one after: its block ids.
+            {
+                const uint32_t pn = p + stride;
+                if (pn < p1 && blk1 < nblk) {
+                    const uint32_t hn = (blk1 * bs + pn % bs) * nkv + kh;
+                    prefetch_span(kcb + (size_t)hn * HB, HB);
+                    prefetch_span(vcb + (size_t)hn * HB, HB);
+                    const int gb = (int)(hg * sizeof(T));
+                    prefetch_span(ks + (size_t)hn * hg, gb);
+                    prefetch_span(kb + (size_t)hn * hg, gb);
+                    prefetch_span(vs + (size_t)hn * hg, gb);
+                    prefetch_span(vb + (size_t)hn * hg, gb);
                 }
-                const T* sc_row = ks + slot * row_groups + kh * head_groups;
-                const T* bi_row = kb + slot * row_groups + kh * head_groups;
+                blk = blk1;
+                blk1 = block_of(pn + stride);
+            }
+            const uint32_t vrow = valid ? hrow : 0xffffffffu;
+            // SIMT: pj[j] = weight of this lane's position for head j. Tensor cores: pm[ν][e] =
+            // weight of position 8ν + 2·tq + e for head gq (lanes gq < QG).
+            float pj[QG], pm[4][2];
+            if constexpr (!MMA) {
+                // 1. scores.
+                float s[QG];
 #pragma unroll
-                for (int j = 0; j < QG; j++) s[j] = 0.f;
+                for (int j = 0; j < QG; j++) s[j] = neg_inf();
+                if (valid) {
+                    const unsigned char* row = kcb + (size_t)hrow * HB;
+                    uint32_t w[HB / 4 + 1];
 #pragma unroll
-                for (int c = 0; c < NCH; c++) {
-                    const int gi = c * 32 / group;
-                    const float sc = to_f(sc_row[gi]), bi = to_f(bi_row[gi]);
-                    float d[QG];
-#pragma unroll
-                    for (int j = 0; j < QG; j++) d[j] = 0.f;
-#pragma unroll
-                    for (int k = 0; k < 32; k += 4) {
-                        const float x0 = code_at<B>(w + c * B, k), x1 = code_at<B>(w + c * B, k + 1);
-                        const float x2 = code_at<B>(w + c * B, k + 2), x3 = code_at<B>(w + c * B, k + 3);
-#pragma unroll
-                        for (int j = 0; j < QG; j++) {
-                            const float4 a = *reinterpret_cast<const float4*>(&q_s[j][c * 32 + k]);
-                            d[j] += a.x * x0 + a.y * x1 + a.z * x2 + a.w * x3;
+                    for (int i = 0; i < HB / VEC; i++) {
+                        if (VEC == 16) {
+                            const uint4 x = reinterpret_cast<const uint4*>(row)[i];
+                            w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
+                        } else {
+                            const uint2 x = reinterpret_cast<const uint2*>(row)[i];
+                            w[2 * i] = x.x; w[2 * i + 1] = x.y;
                         }
                     }
+                    w[HB / 4] = 0;
+                    const T* sc_row = ks + (size_t)hrow * hg;
+                    const T* bi_row = kb + (size_t)hrow * hg;
 #pragma unroll
-                    for (int j = 0; j < QG; j++) s[j] += sc * d[j] + bi * qsum_s[j][c];
+                    for (int j = 0; j < QG; j++) s[j] = 0.f;
+#pragma unroll
+                    for (int c = 0; c < NCH; c++) {
+                        const int gi = c * 32 / group;
+                        const float sc = to_f(sc_row[gi]) * TWO_B, bi = to_f(bi_row[gi]);
+                        float d[QG];
+#pragma unroll
+                        for (int j = 0; j < QG; j++) d[j] = 0.f;
+#pragma unroll
+                        for (int k = 0; k < 32; k += 4) {
+                            const float x0 = frac_at<B>(w + c * B, k), x1 = frac_at<B>(w + c * B, k + 1);
+                            const float x2 = frac_at<B>(w + c * B, k + 2), x3 = frac_at<B>(w + c * B, k + 3);
+#pragma unroll
+                            for (int j = 0; j < QG; j++) {
+                                const float4 a = *reinterpret_cast<const float4*>(&q_s[j][c * 32 + k]);
+                                d[j] = fmaf(a.x, x0, d[j]);
+                                d[j] = fmaf(a.y, x1, d[j]);
+                                d[j] = fmaf(a.z, x2, d[j]);
+                                d[j] = fmaf(a.w, x3, d[j]);
+                            }
+                        }
+#pragma unroll
+                        for (int j = 0; j < QG; j++) s[j] += sc * d[j] + (bi - sc) * qsum_s[j][c];
+                    }
                 }
-            }
-            // 2. online softmax; lane 0's position is always inside the split, so the tile
-            // maximum is finite unless that row is bad (then the output is NaN anyway).
-            float pj[QG];
+                // 2. online softmax; lane 0's position is always inside the split, so the tile
+                // maximum is finite unless that row is bad (then the output is NaN anyway).
 #pragma unroll
-            for (int j = 0; j < QG; j++) {
-                float mx = s[j];
+                for (int j = 0; j < QG; j++) {
+                    float mx = s[j];
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-                const float m_new = fmaxf(m_w[j], mx);
-                const float alpha = m_new == neg_inf() ? 1.f : __expf(m_w[j] - m_new);
-                pj[j] = valid ? __expf(s[j] - m_new) : 0.f;
-                l_w[j] = l_w[j] * alpha + pj[j];
-                accb[j] *= alpha;
+                    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+                    const float m_new = fmaxf(m_w[j], mx);
+                    const float alpha = m_new == neg_inf() ? 1.f : fast_exp(m_w[j] - m_new);
+                    pj[j] = valid ? fast_exp(s[j] - m_new) : 0.f;
+                    l_w[j] = l_w[j] * alpha + pj[j];
+                    accb[j] *= alpha;
 #pragma unroll
-                for (int k = 0; k < 8; k++) acc[j][k] *= alpha;
-                m_w[j] = m_new;
-            }
-            // 3. V.
+                    for (int k = 0; k < 8; k++) acc[j][k] *= alpha;
+                    m_w[j] = m_new;
+                }
+            } else {
+                // 1. scores S = Q·Kᵀ by tensor cores, n-tile ν = positions 8ν..8ν+7 of the tile.
+                // A lane reads its quarter of each group of position 8ν + gq's row, one n-tile
+                // at a time (the L2 prefetch has the rows close; holding all four n-tiles' words
+                // would spill).
+                uint32_t w[WPL];
+                auto load_row = [&](int nu, uint32_t* dst0) {
+                    const uint32_t sr = __shfl_sync(FULL, vrow, 8 * nu + gq);
+                    const unsigned char* row = kcb + (size_t)(sr == 0xffffffffu ? 0 : sr) * HB;
 #pragma unroll
-            for (int st = 0; st < 32 / RPS; st++) {
-                const int r = st * RPS + rsub;
-                const size_t slot_r = (size_t)__shfl_sync(FULL, (unsigned long long)slot, r);
-                const int ok = __shfl_sync(FULL, (int)valid, r);
-                float pr[QG];
+                    for (int gi = 0; gi < NG; gi++) {
+                        const unsigned char* src = row + gi * (GS * B / 8) + tq * QWB;
+                        uint32_t* dst = dst0 + gi * QWB / 4;
+                        if (QWB == 4) {
+                            dst[0] = *reinterpret_cast<const uint32_t*>(src);
+                        } else if (QWB == 8) {
+                            const uint2 x = *reinterpret_cast<const uint2*>(src);
+                            dst[0] = x.x; dst[1] = x.y;
+                        } else {
 #pragma unroll
-                for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pj[j], r);
-                if (ok) {
-                    const unsigned char* vrow = reinterpret_cast<const unsigned char*>(
-                        vc + slot_r * row_words + kh * head_words);
-                    const uint64_t win = load_codes8<B>(vrow + c8 * B);
-                    const size_t gidx = slot_r * row_groups + kh * head_groups + (c8 * 8) / group;
-                    const float sc = to_f(vs[gidx]), bi = to_f(vb[gidx]);
-                    float cf[8];
+                            for (int i = 0; i < QWB / 16; i++) {
+                                const uint4 x = reinterpret_cast<const uint4*>(src)[i];
+                                dst[4 * i] = x.x; dst[4 * i + 1] = x.y; dst[4 * i + 2] = x.z; dst[4 * i + 3] = x.w;
+                            }
+                        }
+                    }
+                };
+                float sv[4][2];
 #pragma unroll
-                    for (int k = 0; k < 8; k++) cf[k] = code_f((uint32_t)(win >> (k * B)) & ((1u << B) - 1));
+                for (int nu = 0; nu < 4; nu++) {
+                    // Scales and biases of the two positions of this lane's C fragment.
+                    uint32_t sr[2];
+                    float sc[2][NG], bi[2][NG];
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        sr[e] = __shfl_sync(FULL, vrow, 8 * nu + 2 * tq + e);
+                        const size_t at = (size_t)(sr[e] == 0xffffffffu ? 0 : sr[e]) * NG;
+                        load_groups<T, NG>(ks + at, sc[e]);
+                        load_groups<T, NG>(kb + at, bi[e]);
+                    }
+                    load_row(nu, w);
+                    const uint32_t* wn = w;
+                    float c[NG][4];
+#pragma unroll
+                    for (int gi = 0; gi < NG; gi++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++) c[gi][i] = 0.f;
+#pragma unroll
+                    for (int s = 0; s < KST; s++) {
+                        const int gi = s / KS, sp = s % KS;
+                        const uint4 a = *reinterpret_cast<const uint4*>(qa_s[s][lane]);
+                        uint32_t b0, b1;
+                        if (B == 4) code_frag<4>(wn[gi * QWB / 4 + sp / 2], 2 * (sp % 2), b0, b1);
+                        else code_frag<8>(wn[gi * QWB / 4 + sp], 0, b0, b1);
+                        mma16816(c[gi], a.x, 0u, a.y, 0u, b0, b1);
+                        mma16816(c[gi], a.z, 0u, a.w, 0u, b0, b1);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float acc_s = 0.f;
+#pragma unroll
+                        for (int gi = 0; gi < NG; gi++) acc_s += sc[e][gi] * qexp * c[gi][e] + bi[e][gi] * qsg[gi];
+                        sv[nu][e] = sr[e] == 0xffffffffu ? neg_inf() : acc_s;
+                    }
+                }
+                // 2. online softmax: head gq's 32 scores sit in lanes 4gq..4gq+3.
+                float mx = neg_inf();
+#pragma unroll
+                for (int nu = 0; nu < 4; nu++) mx = fmaxf(mx, fmaxf(sv[nu][0], sv[nu][1]));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+                const float m_old = m_w[0];
+                const float m_new = fmaxf(m_old, mx);
+                const float alpha = m_new == neg_inf() ? 1.f : fast_exp(m_old - m_new);
+                float ls = 0.f;
+#pragma unroll
+                for (int nu = 0; nu < 4; nu++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        pm[nu][e] = sv[nu][e] == neg_inf() ? 0.f : fast_exp(sv[nu][e] - m_new);
+                        ls += pm[nu][e];
+                    }
+                // This lane's own head state lives in m_w[0] / l_w[0]; the V accumulators of
+                // every head are rescaled by that head's alpha.
+                m_w[0] = m_new;
+                l_w[0] = l_w[0] * alpha + ls;
+                if constexpr (VMMA) {
+                    // Columns 2tq, 2tq+1 are heads (2tq)%4 and (2tq)%4 + 1; column gq is
+                    // head gq%4.
+                    const int h0 = (2 * tq) % 4;
+                    const float a0 = __shfl_sync(FULL, alpha, 4 * h0);
+                    const float a1 = __shfl_sync(FULL, alpha, 4 * (h0 + 1));
+                    accb_c *= __shfl_sync(FULL, alpha, 4 * (gq % 4));
+#pragma unroll
+                    for (int i = 0; i < MT; i++) {
+                        cv[i][0] *= a0;
+                        cv[i][1] *= a1;
+                        cv[i][2] *= a0;
+                        cv[i][3] *= a1;
+                    }
+                } else {
 #pragma unroll
                     for (int j = 0; j < QG; j++) {
-                        const float ps = pr[j] * sc;
-                        accb[j] += pr[j] * bi;
+                        const float a = __shfl_sync(FULL, alpha, 4 * j);
+                        accb[j] *= a;
 #pragma unroll
-                        for (int k = 0; k < 8; k++) acc[j][k] += ps * cf[k];
+                        for (int k = 0; k < 8; k++) acc[j][k] *= a;
+                    }
+                }
+            }
+            // 3. V. A masked position has weight 0 and reads slot 0 (scale and bias zeroed, so
+            // nothing non-finite enters).
+if constexpr (VMMA) {
+                // Two k-tiles of 16 positions: this lane's positions 2tq, 2tq+1, 2tq+8, 2tq+9
+                // of each (weights from lanes 4·(gq%4) + tq, the C layout of the scores).
+                const uint32_t cmask = 0x000F000Fu * (B == 4) + 0x00FF00FFu * (B == 8);
+                const uint32_t magic = 0x64006400u;
+                const __half2 k1024 = __floats2half2_rn(-1024.f, -1024.f);
+                const int gam = gq / 4;  // this lane's column's group
+                const bool col_ok = gam < NG;
+#pragma unroll
+                for (int kt = 0; kt < 2; kt++) {
+                    const int src = 4 * (gq % 4) + tq;
+                    float pw[4];
+                    pw[0] = __shfl_sync(FULL, pm[2 * kt][0], src);
+                    pw[1] = __shfl_sync(FULL, pm[2 * kt][1], src);
+                    pw[2] = __shfl_sync(FULL, pm[2 * kt + 1][0], src);
+                    pw[3] = __shfl_sync(FULL, pm[2 * kt + 1][1], src);
+                    uint32_t x[4][VW];
+                    float pp[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        const int r = 16 * kt + 2 * tq + (k & 1) + 8 * (k >> 1);
+                        const uint32_t sr = __shfl_sync(FULL, vrow, r);
+                        const bool ok = sr != 0xffffffffu;
+                        const uint32_t hr = ok ? sr : 0;
+                        const unsigned char* src_b = vcb + (size_t)hr * HB + gq * BPL;
+                        if (BPL == 4) {
+                            x[k][0] = *reinterpret_cast<const uint32_t*>(src_b);
+                        } else if (BPL == 8) {
+                            const uint2 v2 = *reinterpret_cast<const uint2*>(src_b);
+                            x[k][0] = v2.x; x[k][1] = v2.y;
+                        } else {
+                            const uint4 v4 = *reinterpret_cast<const uint4*>(src_b);
+                            x[k][0] = v4.x; x[k][1] = v4.y; x[k][2] = v4.z; x[k][3] = v4.w;
+                        }
+                        const size_t at = (size_t)hr * NG + (col_ok ? gam : 0);
+                        const float sc = ok && col_ok ? to_f(vs[at]) : 0.f;
+                        const float bi = ok && col_ok ? to_f(vb[at]) : 0.f;
+                        pp[k] = pw[k] * sc;
+                        accb_c = fmaf(pw[k], bi, accb_c);
+                    }
+                    // P' as hi + lo f16 pairs: b0 = positions (2tq, 2tq+1), b1 = (+8, +9).
+                    const __half2 h01 = __floats2half2_rn(pp[0], pp[1]);
+                    const __half2 h23 = __floats2half2_rn(pp[2], pp[3]);
+                    const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
+                    const __half2 l01 = __floats2half2_rn(pp[0] - f01.x, pp[1] - f01.y);
+                    const __half2 l23 = __floats2half2_rn(pp[2] - f23.x, pp[3] - f23.y);
+                    const uint32_t bh0 = *reinterpret_cast<const uint32_t*>(&h01);
+                    const uint32_t bh1 = *reinterpret_cast<const uint32_t*>(&h23);
+                    const uint32_t bl0 = *reinterpret_cast<const uint32_t*>(&l01);
+                    const uint32_t bl1 = *reinterpret_cast<const uint32_t*>(&l23);
+#pragma unroll
+                    for (int i = 0; i < MT; i++) {
+                        // Rows gq / gq+8 of m-tile i: B = 4: low / high nibble of byte i;
+                        // B = 8: bytes 2i / 2i+1. Each pair: positions (2tq, 2tq+1) and (+8, +9).
+                        uint32_t r01, r23, s01, s23;
+                        if (B == 4) {
+                            const int w = i / 4, by = i % 4;
+                            const uint32_t sel = (uint32_t)by | ((uint32_t)(4 + by) << 8);
+                            r01 = __byte_perm(x[0][w], x[1][w], sel);
+                            r23 = __byte_perm(x[2][w], x[3][w], sel);
+                            s01 = r01 >> 4;
+                            s23 = r23 >> 4;
+                        } else {
+                            const int w = (2 * i) / 4, by = (2 * i) % 4;
+                            const uint32_t sel0 = (uint32_t)by | ((uint32_t)(4 + by) << 8);
+                            const uint32_t sel1 = (uint32_t)(by + 1) | ((uint32_t)(5 + by) << 8);
+                            r01 = __byte_perm(x[0][w], x[1][w], sel0);
+                            r23 = __byte_perm(x[2][w], x[3][w], sel0);
+                            s01 = __byte_perm(x[0][w], x[1][w], sel1);
+                            s23 = __byte_perm(x[2][w], x[3][w], sel1);
+                        }
+                        uint32_t a[4];
+                        const uint32_t raw[4] = {r01, s01, r23, s23};
+#pragma unroll
+                        for (int k = 0; k < 4; k++) {
+                            uint32_t h;
+                            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(raw[k]), "r"(cmask), "r"(magic));
+                            const __half2 c = __hadd2(*reinterpret_cast<const __half2*>(&h), k1024);
+                            a[k] = *reinterpret_cast<const uint32_t*>(&c);
+                        }
+                        mma16816(cv[i], a[0], a[1], a[2], a[3], bh0, bh1);
+                        mma16816(cv[i], a[0], a[1], a[2], a[3], bl0, bl1);
+                    }
+                }
+            } else {
+    #pragma unroll
+                for (int st = 0; st < 32 / RPS; st++) {
+                    int r;
+                    float pr[QG];
+                    if constexpr (!MMA) {
+                        r = st * RPS + rsub;
+    #pragma unroll
+                        for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pj[j], r);
+                    } else {
+                        // Positions 8ν + e + 2t whose weights sit in the same register of lanes
+                        // 4j + t: t = t1 + (4 / RPS)·rsub.
+                        constexpr int TS = 4 / RPS;
+                        const int t1 = st % TS, e = (st / TS) % 2, nu = st / (2 * TS);
+                        const int t = t1 + TS * rsub;
+                        r = 8 * nu + e + 2 * t;
+    #pragma unroll
+                        for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pm[nu][e], 4 * j + t);
+                    }
+                    const uint32_t sr = __shfl_sync(FULL, vrow, r);
+                    const bool ok = sr != 0xffffffffu;
+                    const uint32_t hr = ok ? sr : 0;
+                    const uint64_t win = load_codes8<B>(vcb + (size_t)hr * HB + c8 * B);
+                    const size_t gidx = (size_t)hr * hg + (c8 * 8) / group;
+                    const float sc = ok ? to_f(vs[gidx]) * TWO_B : 0.f, bi = ok ? to_f(vb[gidx]) : 0.f;
+                    const uint32_t ww[3] = {(uint32_t)win, (uint32_t)(win >> 32), 0u};
+                    float x[8];
+    #pragma unroll
+                    for (int k = 0; k < 8; k++) x[k] = frac_at<B>(ww, k);
+    #pragma unroll
+                    for (int j = 0; j < QG; j++) {
+                        const float ps = pr[j] * sc;
+                        accb[j] = fmaf(pr[j], bi - sc, accb[j]);
+    #pragma unroll
+                        for (int k = 0; k < 8; k++) acc[j][k] = fmaf(ps, x[k], acc[j][k]);
                     }
                 }
             }
         }
     }
-    // The warp's totals: l over all lanes, V over the lanes that share a column slice.
+    // The warp's totals: l over the lanes holding a head's weights, V over the lanes that share
+    // a column slice.
+    if (MMA) {
+        // Lane 4j + t holds head j's running max (the same in its 4 lanes) and a partial sum.
+        l_w[0] += __shfl_xor_sync(FULL, l_w[0], 1);
+        l_w[0] += __shfl_xor_sync(FULL, l_w[0], 2);
 #pragma unroll
-    for (int j = 0; j < QG; j++) {
+        for (int j = 0; j < QG; j++) {
+            const float mj = __shfl_sync(FULL, m_w[0], 4 * j), lj = __shfl_sync(FULL, l_w[0], 4 * j);
+            if (lane == 0) {
+                wm_s[warp][j] = mj;
+                wl_s[warp][j] = lj;
+            }
+        }
+    }
+    if constexpr (VMMA) {
+        // Column gq's bias over all positions (lanes 4gq'..: partial over tq), then each lane
+        // writes the (dim, head) entries whose column is its dims' group.
+        accb_c += __shfl_xor_sync(FULL, accb_c, 1);
+        accb_c += __shfl_xor_sync(FULL, accb_c, 2);
+        const float bc0 = __shfl_sync(FULL, accb_c, 4 * (2 * tq));
+        const float bc1 = __shfl_sync(FULL, accb_c, 4 * (2 * tq + 1));
+        const int h0 = (2 * tq) % 4;
+        if (tq / 2 == (gq * (D / 8)) / GS) {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) l_w[j] += __shfl_xor_sync(FULL, l_w[j], o);
+            for (int i = 0; i < MT; i++) {
+                const int d0 = B == 4 ? 2 * (gq * BPL + i) : gq * BPL + 2 * i;
+                wacc_s[warp][h0][d0] = cv[i][0] + bc0;
+                wacc_s[warp][h0 + 1][d0] = cv[i][1] + bc1;
+                wacc_s[warp][h0][d0 + 1] = cv[i][2] + bc0;
+                wacc_s[warp][h0 + 1][d0 + 1] = cv[i][3] + bc1;
+            }
+        }
+    } else {
 #pragma unroll
-        for (int o = 16; o >= LPR; o >>= 1) {
-            accb[j] += __shfl_xor_sync(FULL, accb[j], o);
+        for (int j = 0; j < QG; j++) {
+            if (!MMA) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[j][k] += __shfl_xor_sync(FULL, acc[j][k], o);
+                for (int o = 16; o > 0; o >>= 1) l_w[j] += __shfl_xor_sync(FULL, l_w[j], o);
+            }
+#pragma unroll
+            for (int o = 16; o >= LPR; o >>= 1) {
+                accb[j] += __shfl_xor_sync(FULL, accb[j], o);
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[j][k] += __shfl_xor_sync(FULL, acc[j][k], o);
+            }
+        }
+        if (lane < LPR) {
+#pragma unroll
+            for (int j = 0; j < QG; j++)
+#pragma unroll
+                for (int k = 0; k < 8; k++) wacc_s[warp][j][c8 * 8 + k] = acc[j][k] + accb[j];
         }
     }
     if (bad_row) bad_s = 1;
-    if (lane < LPR) {
-#pragma unroll
-        for (int j = 0; j < QG; j++)
-#pragma unroll
-            for (int k = 0; k < 8; k++) wacc_s[warp][j][c8 * 8 + k] = acc[j][k] + accb[j];
-    }
-    if (lane == 0) {
+    if (!MMA && lane == 0) {
 #pragma unroll
         for (int j = 0; j < QG; j++) {
             wm_s[warp][j] = m_w[j];
@@ -551,44 +1012,165 @@ __device__ __forceinline__ void qdecode_impl(
             part_ml[(base + j) * 2 + 1] = failed ? nan : den;
         }
     }
+    // The last block of this (sequence, KV head, head chunk) to finish merges every split's
+    // partials into the output (no separate merge launch; the partials are still in L2) and
+    // leaves the counter at 0 for the next call.
+    __shared__ bool last_s;
+    __threadfence();
+    __syncthreads();
+    const size_t cidx = ((size_t)b * kvh + kh) * gridDim.z + blockIdx.z;
+    if (tid == 0) last_s = atomicAdd(&counters[cidx], 1u) == (unsigned)nsplit - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    const size_t hstride = (size_t)Bn * H;  // one split's stride, in heads
+    float* o_s = &wacc_s[0][0][0];           // [QG][D]
+    // Each thread owns IT (head, dim) outputs; splits are read SC at a time for all of them at
+    // once (one round trip to L2 per SC splits), merged online.
+    constexpr int IT = QG * D / (QW * 32), SC = 4;
+    float M[IT], num[IT], den[IT];
+    bool any_nan[IT];
+#pragma unroll
+    for (int k = 0; k < IT; k++) {
+        M[k] = neg_inf();
+        num[k] = den[k] = 0.f;
+        any_nan[k] = false;
+    }
+    const size_t hb = (size_t)b * H + (size_t)kh * G + j0;
+    for (int s0 = 0; s0 < nsplit; s0 += SC) {
+        float m[IT][SC], l[IT][SC], a[IT][SC];
+#pragma unroll
+        for (int k = 0; k < IT; k++) {
+            const int i = tid + k * QW * 32, j = i / D, dd = i % D;
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                const size_t h = (size_t)(s0 + u) * hstride + hb + j;
+                const bool in = s0 + u < nsplit && j < gn;
+                m[k][u] = in ? __ldcg(&part_ml[h * 2]) : neg_inf();
+                l[k][u] = in ? __ldcg(&part_ml[h * 2 + 1]) : 0.f;
+                a[k][u] = in ? __ldcg(&part_acc[h * D + dd]) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < IT; k++) {
+            float cm = neg_inf();
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                if (m[k][u] != m[k][u]) any_nan[k] = true;
+                else cm = fmaxf(cm, m[k][u]);
+            }
+            const float mn = fmaxf(M[k], cm);
+            const float r = M[k] == neg_inf() ? 0.f : fast_exp(M[k] - mn);
+            num[k] *= r;
+            den[k] *= r;
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                const float w = m[k][u] == neg_inf() || m[k][u] != m[k][u] ? 0.f : fast_exp(m[k][u] - mn);
+                num[k] += w * a[k][u];
+                den[k] += w * l[k][u];
+            }
+            M[k] = mn;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < IT; k++) {
+        const int i = tid + k * QW * 32, j = i / D, dd = i % D;
+        if (j >= gn) continue;
+        const float o = any_nan[k] ? nan : num[k] / den[k];
+        if (rotated) o_s[i] = o;
+        else out[(hb + j) * D + dd] = from_f<T>(o);
+    }
+    if (tid == 0) counters[cidx] = 0;
+    if (!rotated) return;
+    __syncthreads();
+    fwht<D>(o_s, gn, tid, blockDim.x);
+    const float nrm = inv_sqrt_d(D);
+    for (int i = tid; i < gn * D; i += blockDim.x)
+        out[(hb + i / D) * D + i % D] = from_f<T>(o_s[i] * nrm * signs[i % D]);
 }
 
-// Combines the splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s. Empty splits have
-// m = -inf and are skipped; NaN (a bad sequence) propagates. `rotated`: the kernel attended in
-// the rotated space (q rotated in its prologue), so the output is rotated back here:
-// s ⊙ (H·o)/√D. Only the warp kernel rotates in place, so D is 64 or 128 (the host checks).
-extern "C" __global__ void decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                        float* __restrict__ out, int nsplit, int BH, int D,
-                                        const float* __restrict__ signs, int rotated) {
+// Combines the splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s, written in the
+// query's element type. Empty splits have m = -inf and are skipped; NaN (a bad sequence)
+// propagates. The split loop keeps 4 independent loads in flight (it is latency-bound).
+// `rotated`: the kernel attended in the rotated space (q rotated in its prologue), so the
+// output is rotated back here: s ⊙ (H·o)/√D. Only the warp kernel rotates in place, so D is 64
+// or 128 (the host checks).
+template <typename T>
+__device__ __forceinline__ void merge_impl(const float* __restrict__ part_acc,
+                                           const float* __restrict__ part_ml, T* __restrict__ out,
+                                           int nsplit, int BH, int D, const float* __restrict__ signs,
+                                           int rotated) {
     __shared__ float o_s[128];
-    const int bh = blockIdx.x;
+    __shared__ float red_s[32];
+    __shared__ int nan_s;
+    const int bh = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    const float* ml = part_ml + (size_t)bh * 2;
+    const size_t sstride = (size_t)BH * 2;
+    // Block-wide max of the splits' m, and whether any is NaN.
     float M = neg_inf();
-    bool nan_seen = false;
-    for (int s = 0; s < nsplit; s++) {
-        const float m = part_ml[((size_t)s * BH + bh) * 2];
-        if (m != m) nan_seen = true;
+    int nan_seen = 0;
+    for (int s = tid; s < nsplit; s += nt) {
+        const float m = ml[s * sstride];
+        if (m != m) nan_seen = 1;
         else M = fmaxf(M, m);
     }
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    if (tid == 0) nan_s = 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    __syncthreads();
+    if (nan_seen) nan_s = 1;
+    if ((tid & 31) == 0) red_s[tid >> 5] = M;
+    __syncthreads();
+    M = neg_inf();
+    for (int w = 0; w < (nt + 31) / 32; w++) M = fmaxf(M, red_s[w]);
+    const bool any_nan = nan_s != 0;
+    for (int d = tid; d < D; d += nt) {
         float num = 0.f, den = 0.f;
-        for (int s = 0; s < nsplit; s++) {
-            const float m = part_ml[((size_t)s * BH + bh) * 2];
+        int s = 0;
+        for (; s + 4 <= nsplit; s += 4) {
+            float m[4], l[4], a[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                m[u] = ml[(s + u) * sstride];
+                l[u] = ml[(s + u) * sstride + 1];
+                a[u] = part_acc[((size_t)(s + u) * BH + bh) * D + d];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                if (m[u] == neg_inf()) continue;
+                const float w = expf(m[u] - M);
+                num += w * a[u];
+                den += w * l[u];
+            }
+        }
+        for (; s < nsplit; s++) {
+            const float m = ml[s * sstride];
             if (m == neg_inf()) continue;
             const float w = expf(m - M);
             num += w * part_acc[((size_t)s * BH + bh) * D + d];
-            den += w * part_ml[((size_t)s * BH + bh) * 2 + 1];
+            den += w * ml[s * sstride + 1];
         }
-        const float o = nan_seen ? __int_as_float(0x7fc00000) : num / den;
+        const float o = any_nan ? __int_as_float(0x7fc00000) : num / den;
         if (rotated) o_s[d] = o;
-        else out[(size_t)bh * D + d] = o;
+        else out[(size_t)bh * D + d] = from_f<T>(o);
     }
     if (!rotated) return;
     __syncthreads();
-    if (D == 64) fwht<64>(o_s, 1, threadIdx.x, blockDim.x);
-    else fwht<128>(o_s, 1, threadIdx.x, blockDim.x);
+    if (D == 64) fwht<64>(o_s, 1, tid, nt);
+    else fwht<128>(o_s, 1, tid, nt);
     const float nrm = inv_sqrt_d(D);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) out[(size_t)bh * D + d] = o_s[d] * nrm * signs[d];
+    for (int d = tid; d < D; d += nt) out[(size_t)bh * D + d] = from_f<T>(o_s[d] * nrm * signs[d]);
 }
+
+#define KVQ_MERGE(TNAME, T)                                                                          \
+    extern "C" __global__ void decode_merge_##TNAME(const float* part_acc, const float* part_ml,     \
+                                                    T* out, int nsplit, int BH, int D,             \
+                                                    const float* signs, int rotated) {             \
+        merge_impl<T>(part_acc, part_ml, out, nsplit, BH, D, signs, rotated);                       \
+    }
+KVQ_MERGE(f32, float)
+KVQ_MERGE(f16, __half)
+KVQ_MERGE(bf16, __nv_bfloat16)
 
 #define KVQ_DENSE(TNAME, T)                                                                          \
     extern "C" __global__ void decode_##TNAME##_dense(                                              \
@@ -616,22 +1198,41 @@ extern "C" __global__ void decode_merge(const float* __restrict__ part_acc, cons
     KVQ_AFFINE(TNAME, T, 2) KVQ_AFFINE(TNAME, T, 3) KVQ_AFFINE(TNAME, T, 4)                          \
     KVQ_AFFINE(TNAME, T, 5) KVQ_AFFINE(TNAME, T, 6) KVQ_AFFINE(TNAME, T, 8)
 
-#define KVQ_Q(TNAME, T, B, D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(QW * 32, 4) decode_q_##TNAME##_b##B##_d##D(         \
-        const float* q, const uint32_t* kc, const T* ks, const T* kb, const uint32_t* vc,           \
+#define KVQ_Q_ARGS(T)                                                                                 \
+    const T* q, float scale, const uint32_t* kc, const T* ks, const T* kb, const uint32_t* vc,      \
         const T* vs, const T* vb, const uint32_t* tables, const uint32_t* starts,                   \
         const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G,        \
-        int group, int split_len, float* part_acc, float* part_ml, const float* signs, int rotated) {\
-        qdecode_impl<T, B, D>(q, kc, ks, kb, vc, vs, vb, tables, starts, lens, max_blocks,          \
-                              num_blocks, block_size, kvh, G, group, split_len, part_acc, part_ml,  \
-                              signs, rotated);                                                      \
+        int group, int split_len, float* part_acc, float* part_ml, const float* signs, int rotated,  \
+        T* out, unsigned* counters, int nsplit
+#define KVQ_Q_PASS                                                                                   \
+    q, scale, kc, ks, kb, vc, vs, vb, tables, starts, lens, max_blocks, num_blocks, block_size, kvh, \
+        G, group, split_len, part_acc, part_ml, signs, rotated, out, counters, nsplit
+
+// SIMT scores, any width: decode_q_<dtype>_b<bits>_d<head_dim>.
+#define KVQ_Q(TNAME, T, B, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QW * 32, 4)                                        \
+        decode_q_##TNAME##_b##B##_d##D(KVQ_Q_ARGS(T)) {                                                \
+        qdecode_impl<T, B, D, 0>(KVQ_Q_PASS);                                                        \
+    }
+
+// Tensor-core scores, 4- and 8-bit: decode_qm_<dtype>_b<bits>_d<head_dim>_g<group>. 4-bit fits
+// 128 registers (4 blocks per SM), 8-bit needs more (3); the host asks the driver.
+#define KVQ_QM(TNAME, T, B, D, GS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(QW * 32, B == 4 ? 4 : 3)                           \
+        decode_qm_##TNAME##_b##B##_d##D##_g##GS(KVQ_Q_ARGS(T)) {                                       \
+        qdecode_impl<T, B, D, GS>(KVQ_Q_PASS);                                                       \
     }
 
 #define KVQ_Q_D(TNAME, T, D)                                                                         \
     KVQ_Q(TNAME, T, 2, D) KVQ_Q(TNAME, T, 3, D) KVQ_Q(TNAME, T, 4, D)                                \
     KVQ_Q(TNAME, T, 5, D) KVQ_Q(TNAME, T, 6, D) KVQ_Q(TNAME, T, 8, D)
 
-#define KVQ_Q_ALL(TNAME, T) KVQ_Q_D(TNAME, T, 64) KVQ_Q_D(TNAME, T, 128)
+#define KVQ_QM_B(TNAME, T, B)                                                                        \
+    KVQ_QM(TNAME, T, B, 64, 32) KVQ_QM(TNAME, T, B, 64, 64)                                          \
+    KVQ_QM(TNAME, T, B, 128, 32) KVQ_QM(TNAME, T, B, 128, 64) KVQ_QM(TNAME, T, B, 128, 128)
+
+#define KVQ_Q_ALL(TNAME, T)                                                                          \
+    KVQ_Q_D(TNAME, T, 64) KVQ_Q_D(TNAME, T, 128) KVQ_QM_B(TNAME, T, 4) KVQ_QM_B(TNAME, T, 8)
 
 KVQ_Q_ALL(f32, float)
 KVQ_Q_ALL(f16, __half)

@@ -454,24 +454,39 @@ mod cuda {
         let c = build(affine(4, 64, DType::F16), kvh, 16, &seqs, DType::F16, 77);
         check(&c, &dev, 5e-3, "4-bit f16 scales, f16 q, gqa 16");
         // head_dim 64 (the default model's) and one other than 64 / 128 (block-wide kernel).
-        for d in [64, 96] {
-            for bits in QuantFormat::BITS {
-                for gqa in [1, 3] {
-                    for (kvh, seqs) in layouts() {
-                        seed += 1;
-                        let c = build_d(
-                            affine(bits, 32, DType::F32),
-                            kvh,
-                            gqa,
-                            &seqs,
-                            DType::F32,
-                            seed,
-                            d,
-                        );
-                        check(&c, &dev, 1e-4, &format!("d {d} bits {bits} gqa {gqa}"));
+        for (d, groups) in [(64, &[32, 64][..]), (96, &[32][..])] {
+            for &g in groups {
+                for bits in QuantFormat::BITS {
+                    for gqa in [1, 3] {
+                        for (kvh, seqs) in layouts() {
+                            seed += 1;
+                            let c = build_d(
+                                affine(bits, g, DType::F32),
+                                kvh,
+                                gqa,
+                                &seqs,
+                                DType::F32,
+                                seed,
+                                d,
+                            );
+                            check(
+                                &c,
+                                &dev,
+                                1e-4,
+                                &format!("d {d} g {g} bits {bits} gqa {gqa}"),
+                            );
+                        }
                     }
                 }
             }
+        }
+        // Queries far outside f16's range (the tensor-core scores scale q by a power of two
+        // before splitting it into f16 terms) and far below it.
+        for (bits, mul) in [(4, 1e5), (8, 1e5), (4, 1e-6), (8, 1e-6)] {
+            let (kvh, seqs) = layouts().remove(0);
+            let mut c = build(affine(bits, 64, DType::F32), kvh, 4, &seqs, DType::F32, 90);
+            c.q = (&c.q * mul).unwrap();
+            check(&c, &dev, 1e-4, &format!("bits {bits} q x {mul}"));
         }
         let c = build(
             affine(8, 32, DType::BF16),

@@ -136,6 +136,7 @@ fn bad_flags_give_one_line_errors() {
         ("--group-size", "48", "32, 64, 128"),
         ("--head-dim", "96", "group"),
         ("--layers", "0", "--layers"),
+        ("--attn-layers", "0", "--attn-layers"),
         ("--seq-len", "0", "--seq-len"),
         ("--repeats", "0", "--repeats"),
         ("--device", "tpu", "device"),
@@ -176,6 +177,7 @@ fn default_shape_memory_matches_the_issue() {
     ] {
         let cfg = BenchConfig {
             layers: 32,
+            attn_layers: 1,
             seq_len: 512,
             seq_lens: vec![512],
             gqa: 4,
@@ -261,4 +263,41 @@ fn rotated_attention_rows() {
     ]);
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && e.contains("power-of-two"), "{e}");
+}
+
+/// A step of several layers (each its own pool) attends to the same data as one layer: the same
+/// outputs (so the same errors), a time per layer, and the setting in the config.
+#[test]
+fn attention_step_of_several_layers() {
+    let run = |layers: &str| -> serde_json::Value {
+        let mut args = SMALL.to_vec();
+        args.extend([
+            "--json",
+            "--dtype",
+            "f32",
+            "--bits",
+            "4",
+            "--attn-layers",
+            layers,
+        ]);
+        let out = kvq(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (one, three) = (run("1"), run("3"));
+    assert_eq!(three["config"]["attn_layers"], 3);
+    let errs = |v: &serde_json::Value| -> Vec<f64> {
+        v["attention"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["max_abs_error"].as_f64().unwrap())
+            .collect()
+    };
+    assert_eq!(errs(&one), errs(&three));
+    assert!(three["attention"][1]["ms"].as_f64().unwrap() > 0.0);
 }

@@ -30,6 +30,8 @@ use std::time::Instant;
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchConfig {
     pub layers: usize,
+    /// Layers per timed decode-attention step (each its own pool; time reported per layer).
+    pub attn_layers: usize,
     /// Tokens per sequence of the memory/quantize table (the first of `--seq-len`).
     pub seq_len: usize,
     /// Context lengths of the attention measurement (all of `--seq-len`); empty = none.
@@ -62,6 +64,7 @@ impl BenchConfig {
     pub fn validate(&self) -> Result<Vec<QuantFormat>> {
         for (name, v) in [
             ("--layers", self.layers),
+            ("--attn-layers", self.attn_layers),
             ("--seq-len", self.seq_len),
             ("--heads", self.heads),
             ("--head-dim", self.head_dim),
@@ -483,7 +486,6 @@ fn attention_rows(
     let mut rows = Vec::new();
     let mut dense: Option<(Tensor, f64)> = None;
     for (mode, bits, format) in modes {
-        let pool = LayerKv::zeros(format, slots, width, device)?;
         let rot = rotation.as_ref().filter(|_| format.is_rotated());
         let stored = |x: &Tensor| -> Result<Tensor> {
             let x = x.to_device(device)?;
@@ -492,31 +494,41 @@ fn attention_rows(
                 None => x,
             })
         };
-        // Write in slices so the device never holds a second full f32 copy.
-        let step = (1 << 24) / width.max(1);
-        let mut first = 0;
-        while first < slots {
-            let n = step.min(slots - first);
-            pool.write_run(
-                first,
-                &stored(&k.narrow(0, first, n)?)?,
-                &stored(&v.narrow(0, first, n)?)?,
-            )?;
-            first += n;
+        // One pool per layer of the step (same contents, own memory, so no layer reads another's
+        // bytes from cache), written in slices so the device never holds a second f32 copy.
+        let mut pools = Vec::with_capacity(cfg.attn_layers);
+        for _ in 0..cfg.attn_layers {
+            let pool = LayerKv::zeros(format, slots, width, device)?;
+            let step = (1 << 24) / width.max(1);
+            let mut first = 0;
+            while first < slots {
+                let n = step.min(slots - first);
+                pool.write_run(
+                    first,
+                    &stored(&k.narrow(0, first, n)?)?,
+                    &stored(&v.narrow(0, first, n)?)?,
+                )?;
+                first += n;
+            }
+            pools.push(pool);
         }
         let mut out = None;
-        let ms = time_ms(
+        let step_ms = time_ms(
             cfg,
             device,
             progress,
             &format!("attention {mode}, {len} tokens"),
             || {
-                out = Some(decode_attention_rotated(
-                    &q, &pool, &tables, &starts, &lens, bs, kvh, scale, rot,
-                )?);
+                for pool in &pools {
+                    out = Some(decode_attention_rotated(
+                        &q, pool, &tables, &starts, &lens, bs, kvh, scale, rot,
+                    )?);
+                }
                 Ok(())
             },
         )?;
+        drop(pools);
+        let ms = step_ms / cfg.attn_layers as f64;
         let out = out.context("no attention run")?.to_dtype(DType::F32)?;
         let (err, base_ms) = match &dense {
             None => (0.0, ms),

@@ -54,7 +54,8 @@ pub fn parse_device(spec: &str) -> Result<Device> {
             if !candle_core::utils::cuda_is_available() {
                 bail!("--device {spec}: this kvq was built without CUDA (rebuild with --features cuda)");
             }
-            Device::new_cuda(ordinal).with_context(|| format!("cannot open --device {spec}"))
+            crate::device::open_cuda(ordinal)
+                .with_context(|| format!("cannot open --device {spec}"))
         }
         "metal" => {
             if !candle_core::utils::metal_is_available() {
@@ -64,7 +65,7 @@ pub fn parse_device(spec: &str) -> Result<Device> {
         }
         "auto" => {
             if candle_core::utils::cuda_is_available() {
-                Device::new_cuda(0).context("cannot open cuda:0")
+                crate::device::open_cuda(0).context("cannot open cuda:0")
             } else if candle_core::utils::metal_is_available() {
                 Device::new_metal(0).context("cannot open metal:0")
             } else {

@@ -33,6 +33,12 @@ pub struct BenchKvCacheArgs {
     /// Tokens per cache block in the attention measurement (blocks are handed out shuffled).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Decode-attention step: this many layers (each with its own cache pool) run back to back
+    /// and are synchronised once; the time shown is per layer. 1 = one call, synchronised alone
+    /// (host launch latency included); more = what a layer costs inside a decode step, where
+    /// the next layer's launch overlaps this one's work.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub attn_layers: usize,
     /// Skip the decode-attention measurement.
     #[arg(long)]
     pub no_attention: bool,
@@ -126,6 +132,7 @@ pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
     let seq_lens = parse_seq_lens(&args.seq_len)?;
     let cfg = BenchConfig {
         layers: args.layers,
+        attn_layers: args.attn_layers,
         seq_len: seq_lens[0],
         seq_lens: if args.no_attention {
             Vec::new()
@@ -262,9 +269,10 @@ fn table(r: &Report) -> Table {
 fn attn_header(r: &Report) -> String {
     let c = &r.config;
     format!(
-        "Decode attention, one layer, one step: batch {} x {} query heads ({} KV heads, GQA {}) x head_dim {}, \
+        "Decode attention, time per layer of a step of {} layer(s) run back to back: batch {} x {} query heads ({} KV heads, GQA {}) x head_dim {}, \
          blocks of {} tokens in shuffled order; cache {} (scales/biases {}), group {}; device {} ({} threads); \
          medians of {} runs after {} warm-up; error = max |out - dense out|; GB/s = K+V bytes of the context / time",
+        c.attn_layers,
         c.batch,
         c.heads * c.gqa,
         c.heads,

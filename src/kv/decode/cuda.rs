@@ -4,11 +4,16 @@
 use super::Dims;
 use crate::kv::layer::LayerKv;
 use crate::kv::rotation::Rotation;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 const MODULE: &str = "kvq_decode";
@@ -20,10 +25,37 @@ const MAXG: usize = 8;
 const TARGET_BLOCKS: usize = 512;
 /// Query heads per block of the warp-independent quantized kernel (QG in decode.cu).
 const QG: usize = 4;
-/// Blocks to aim for with that kernel: 4 resident per SM, about two waves.
-const TARGET_BLOCKS_Q: usize = 1024;
 /// Largest head_dim the shared-memory layout is sized for (stays under 48 KiB).
 const MAX_HEAD_DIM: usize = 512;
+
+/// Streaming multiprocessors of the device (asked once; every GPU of a host is alike here).
+fn sm_count(dev: &CudaDevice) -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    })
+}
+
+/// Blocks of a warp kernel resident per SM (registers decide; asked once per kernel): its grid
+/// aims at one full wave.
+fn resident_blocks(f: &CudaFunction, name: &str) -> Result<usize> {
+    static N: std::sync::OnceLock<Mutex<HashMap<String, usize>>> = std::sync::OnceLock::new();
+    let mut m = N
+        .get_or_init(Default::default)
+        .lock()
+        .expect("poisoned occupancy cache");
+    if let Some(&n) = m.get(name) {
+        return Ok(n);
+    }
+    let n = f
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+        .w()? as usize;
+    m.insert(name.to_string(), n.max(1));
+    Ok(n.max(1))
+}
 
 fn err(msg: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(format!("decode_attention (cuda): {}", msg.into()))
@@ -63,11 +95,16 @@ fn dtype_name(d: DType) -> Result<&'static str> {
 }
 
 /// Splits per (sequence, KV head) and positions per split, from the table's capacity (the
-/// lengths stay on the device).
-fn plan(dims: &Dims, head_chunks: usize, target: usize) -> (usize, usize) {
+/// lengths stay on the device). `one_wave`: at most `target` blocks (the device's resident
+/// capacity), so no second, mostly idle wave; else about `target`.
+fn plan(dims: &Dims, head_chunks: usize, target: usize, one_wave: bool) -> (usize, usize) {
     let cap = dims.max_blocks * dims.block_size;
-    let per_split_blocks = dims.batch * dims.kv_heads * head_chunks;
-    let want = target.div_ceil(per_split_blocks.max(1));
+    let per_split_blocks = (dims.batch * dims.kv_heads * head_chunks).max(1);
+    let want = if one_wave {
+        target / per_split_blocks
+    } else {
+        target.div_ceil(per_split_blocks)
+    };
     let max_splits = cap.div_ceil(TILE).max(1);
     let nsplit = want.clamp(1, max_splits);
     let split_len = cap.div_ceil(nsplit).div_ceil(TILE) * TILE;
@@ -95,31 +132,69 @@ pub(super) fn decode(
         i32::try_from(v).map_err(|_| err(format!("{what} {v} does not fit the kernel's int")))
     };
     // Quantized pools with one width for K and V and head_dim 64 or 128 take the
-    // warp-independent kernel (decode_q_*); KVQ_CUDA_DECODE=v1 keeps the block-wide one (A/B).
+    // warp-independent kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT
+    // otherwise (decode_q_*). KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT
+    // scores for every width (A/B and tests).
+    let choice = std::env::var("KVQ_CUDA_DECODE").unwrap_or_default();
     let warp_kernel = match kv {
         LayerKv::Affine { kfmt, vfmt, .. } => {
             kfmt == vfmt
                 && matches!(d, 64 | 128)
-                && std::env::var("KVQ_CUDA_DECODE").map_or(true, |v| v != "v1")
+                // (slot, KV head) rows are 32-bit indices in that kernel
+                && dims
+                    .num_blocks
+                    .saturating_mul(dims.block_size)
+                    .saturating_mul(dims.kv_heads)
+                    < u32::MAX as usize
+                && choice != "v1"
         }
         LayerKv::Dense { .. } => false,
     };
+    let mma_kernel = match kv {
+        LayerKv::Affine { kfmt, .. } => {
+            warp_kernel && matches!(kfmt.bits(), 4 | 8) && kfmt.group_size() <= d && choice != "v2"
+        }
+        LayerKv::Dense { .. } => false,
+    };
+    let name = match kv {
+        LayerKv::Dense { k, .. } => format!("decode_{}_dense", dtype_name(k.dtype())?),
+        LayerKv::Affine { kfmt: fmt, k, .. } => {
+            let t = dtype_name(k.scales.dtype())?;
+            let (bits, g) = (fmt.bits(), fmt.group_size());
+            if mma_kernel {
+                format!("decode_qm_{t}_b{bits}_d{d}_g{g}")
+            } else if warp_kernel {
+                format!("decode_q_{t}_b{bits}_d{d}")
+            } else {
+                format!("decode_{t}_b{bits}")
+            }
+        }
+    };
+    let cdev = q.device().as_cuda_device()?;
+    let f = cdev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let (chunk, target) = if warp_kernel {
-        (QG, TARGET_BLOCKS_Q)
+        (QG, resident_blocks(&f, &name)? * sm_count(cdev))
     } else {
         (MAXG, TARGET_BLOCKS)
     };
     let head_chunks = dims.group.div_ceil(chunk);
-    let (nsplit, split_len) = plan(dims, head_chunks, target);
+    let (nsplit, split_len) = plan(dims, head_chunks, target, warp_kernel);
     // The warp kernel rotates q in its prologue and the merge rotates the output back; the
     // block-wide kernel gets q rotated here and its output rotated back below.
     let fused_rot = rot.filter(|_| warp_kernel);
     let outer_rot = rot.filter(|_| !warp_kernel);
-    let q_in = match outer_rot {
-        Some(r) => r.rotate(q)?,
-        None => q.clone(),
+    // The warp kernel reads q in the pool's element type and scales it itself; the block-wide
+    // kernels take it scaled, in f32.
+    let qf = match (kv, warp_kernel) {
+        (LayerKv::Affine { k, .. }, true) => aligned(&q.to_dtype(k.scales.dtype())?)?,
+        _ => {
+            let q_in = match outer_rot {
+                Some(r) => r.rotate(q)?,
+                None => q.clone(),
+            };
+            aligned(&(q_in.to_dtype(DType::F32)? * scale as f64)?)?
+        }
     };
-    let qf = aligned(&(q_in.to_dtype(DType::F32)? * scale as f64)?)?;
     let (tables, starts, lens) = (
         aligned(block_tables)?,
         starts.contiguous()?,
@@ -132,7 +207,6 @@ pub(super) fn decode(
         return Err(err("expected CUDA storage"));
     };
     let dev: CudaDevice = qc.device.clone();
-    let qv = view::<f32>(&qs, ql)?;
     let (ts, tl) = tables.storage_and_layout();
     let (ss, sl) = starts.storage_and_layout();
     let (ls, ll) = lens.storage_and_layout();
@@ -180,16 +254,16 @@ pub(super) fn decode(
             unsafe { v.transmute::<f32>(v.len()) }.ok_or_else(|| err("signs placeholder"))?
         }
     };
+    let mut fused: Option<CudaStorage> = None;
     match kv {
         LayerKv::Dense { k, v } => {
             let (k, v) = (aligned(k)?, aligned(v)?);
             let (kst, kl) = k.storage_and_layout();
             let (vst, vl) = v.storage_and_layout();
-            let name = format!("decode_{}_dense", dtype_name(k.dtype())?);
-            let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             macro_rules! launch {
                 ($t:ty) => {{
                     let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
+                    let qv = view::<f32>(&qs, ql)?;
                     let mut b = f.builder();
                     b.arg(&qv).arg(&kv_).arg(&vv_).arg(&tv).arg(&sv).arg(&lv);
                     for i in &ints {
@@ -222,16 +296,6 @@ pub(super) fn decode(
                 ts6[4].storage_and_layout(),
                 ts6[5].storage_and_layout(),
             ];
-            let name = if warp_kernel {
-                format!(
-                    "decode_q_{}_b{}_d{d}",
-                    dtype_name(ts6[1].dtype())?,
-                    fmt.bits()
-                )
-            } else {
-                format!("decode_{}_b{}", dtype_name(ts6[1].dtype())?, fmt.bits())
-            };
-            let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             let group = to_i32(fmt.group_size(), "group size")?;
             macro_rules! launch {
                 ($t:ty) => {{
@@ -241,14 +305,23 @@ pub(super) fn decode(
                     let vc = view::<u32>(&sl6[3].0, sl6[3].1)?;
                     let vs = view::<$t>(&sl6[4].0, sl6[4].1)?;
                     let vb = view::<$t>(&sl6[5].0, sl6[5].1)?;
+                    // The in-kernel merge's counters, locked until the launch is queued.
+                    let guard = if warp_kernel {
+                        Some(counters(&dev, dims.batch * dims.kv_heads * head_chunks)?)
+                    } else {
+                        None
+                    };
                     let mut b = f.builder();
-                    b.arg(&qv)
-                        .arg(&kc)
-                        .arg(&ks)
-                        .arg(&kb)
-                        .arg(&vc)
-                        .arg(&vs)
-                        .arg(&vb);
+                    // Alive until the launch: the q view in the kernel's type.
+                    let (qv32, qvt);
+                    if warp_kernel {
+                        qvt = view::<$t>(&qs, ql)?;
+                        b.arg(&qvt).arg(&scale);
+                    } else {
+                        qv32 = view::<f32>(&qs, ql)?;
+                        b.arg(&qv32);
+                    }
+                    b.arg(&kc).arg(&ks).arg(&kb).arg(&vc).arg(&vs).arg(&vb);
                     b.arg(&tv).arg(&sv).arg(&lv);
                     if warp_kernel {
                         // max_blocks, num_blocks, block_size, kv_heads, group of query heads
@@ -262,9 +335,16 @@ pub(super) fn decode(
                     }
                     b.arg(&group).arg(&split_len).arg(&part_acc).arg(&part_ml);
                     if warp_kernel {
-                        b.arg(&sgv).arg(&rotated);
+                        // The kernel merges the splits itself (last block per head chunk).
+                        let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(bh * d)? };
+                        let ns = nsplit as i32;
+                        let c = &guard.as_ref().expect("counters for the warp kernel")[&dev.id()];
+                        b.arg(&sgv).arg(&rotated).arg(&out).arg(c).arg(&ns);
+                        unsafe { b.launch(cfg) }.w()?;
+                        fused = Some(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+                    } else {
+                        unsafe { b.launch(cfg) }.w()?;
                     }
-                    unsafe { b.launch(cfg) }.w()?;
                 }};
             }
             match ts6[1].dtype() {
@@ -275,33 +355,94 @@ pub(super) fn decode(
         }
     }
 
-    let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(bh * d)? };
-    let merge = dev.get_or_load_custom_func("decode_merge", MODULE, PTX)?;
-    let (ns, bh_i, d_i) = (nsplit as i32, to_i32(bh, "batch x heads")?, d as i32);
-    let mut b = merge.builder();
-    b.arg(&part_acc)
-        .arg(&part_ml)
-        .arg(&out)
-        .arg(&ns)
-        .arg(&bh_i)
-        .arg(&d_i)
-        .arg(&sgv)
-        .arg(&rotated);
+    let out = match fused {
+        Some(out) => out,
+        None => merge(
+            &dev,
+            q.dtype(),
+            &part_acc,
+            &part_ml,
+            nsplit,
+            bh,
+            d,
+            &sgv,
+            rotated,
+        )?,
+    };
+    let out = Tensor::from_storage(
+        Storage::Cuda(out),
+        (dims.batch, dims.heads, d),
+        BackpropOp::none(),
+        false,
+    )
+    .to_dtype(q.dtype())?;
+    match outer_rot {
+        Some(r) => r.unrotate(&out),
+        None => Ok(out),
+    }
+}
+
+/// Per-device counters of finished blocks for the warp kernel's in-kernel merge, all zero
+/// between calls (the last block of a head chunk resets its own); grown as needed.
+fn counters(dev: &CudaDevice, n: usize) -> Result<MutexGuard<'static, Counters>> {
+    static C: std::sync::OnceLock<Mutex<Counters>> = std::sync::OnceLock::new();
+    let mut m = C
+        .get_or_init(Default::default)
+        .lock()
+        .expect("poisoned counters");
+    let have = m.get(&dev.id()).map_or(0, |c| c.len());
+    if have < n {
+        m.insert(dev.id(), dev.alloc_zeros::<u32>(n.next_power_of_two())?);
+    }
+    Ok(m)
+}
+
+type Counters = HashMap<DeviceId, CudaSlice<u32>>;
+
+/// Combines the splits of the block-wide kernels into the output, in q's element type.
+#[allow(clippy::too_many_arguments)]
+fn merge(
+    dev: &CudaDevice,
+    q_dtype: DType,
+    part_acc: &CudaSlice<f32>,
+    part_ml: &CudaSlice<f32>,
+    nsplit: usize,
+    bh: usize,
+    d: usize,
+    sgv: &CudaView<'_, f32>,
+    rotated: i32,
+) -> Result<CudaStorage> {
+    let bh_i = i32::try_from(bh).map_err(|_| err(format!("batch x heads {bh} too large")))?;
+    let (ns, d_i) = (nsplit as i32, d as i32);
     let mcfg = LaunchConfig {
         grid_dim: (bh as u32, 1, 1),
         block_dim: (d.min(256) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    unsafe { b.launch(mcfg) }.w()?;
-    let out = Tensor::from_storage(
-        Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)),
-        (dims.batch, dims.heads, d),
-        BackpropOp::none(),
-        false,
-    );
-    let out = out.to_dtype(q.dtype())?;
-    match outer_rot {
-        Some(r) => r.unrotate(&out),
-        None => Ok(out),
+    let merge = dev.get_or_load_custom_func(
+        &format!("decode_merge_{}", dtype_name(q_dtype)?),
+        MODULE,
+        PTX,
+    )?;
+    macro_rules! merge {
+        ($t:ty) => {{
+            let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(bh * d)? };
+            let mut b = merge.builder();
+            b.arg(part_acc)
+                .arg(part_ml)
+                .arg(&out)
+                .arg(&ns)
+                .arg(&bh_i)
+                .arg(&d_i)
+                .arg(sgv)
+                .arg(&rotated);
+            unsafe { b.launch(mcfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
     }
+    Ok(match q_dtype {
+        DType::F32 => merge!(f32),
+        DType::F16 => merge!(f16),
+        _ => merge!(bf16),
+    })
 }

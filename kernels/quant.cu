@@ -82,10 +82,13 @@ __device__ __forceinline__ void quantize_chunk(const float* v, float mn, float m
     }
 }
 
+// `rows` (optional): input row r is written as row rows[r] of the outputs (a paged pool), each
+// row `cpr` chunks of 8 values; null writes row r to row r.
 template <typename T, int B>
 __device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t* __restrict__ codes,
                                               T* __restrict__ scales, T* __restrict__ biases,
-                                              uint64_t nchunks, int group) {
+                                              uint64_t nchunks, int group,
+                                              const uint32_t* __restrict__ rows = nullptr, uint64_t cpr = 1) {
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;  // a multiple of 32: lanes stay aligned
     const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int lanes = group / 8;  // 4, 8 or 16: aligned sub-warps
@@ -110,7 +113,10 @@ __device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t*
             mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
         }
-        if (t < nchunks) quantize_chunk<T, B>(v[u], mn, mx, t, lanes, codes, scales, biases);
+        if (t < nchunks) {
+            const uint64_t to = rows ? (uint64_t)rows[t / cpr] * cpr + t % cpr : t;
+            quantize_chunk<T, B>(v[u], mn, mx, to, lanes, codes, scales, biases);
+        }
     }
 }
 
@@ -143,6 +149,11 @@ __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ cod
     extern "C" __global__ void quantize_##TNAME##_b##B(const T* x, uint32_t* codes, T* scales,     \
                                                        T* biases, uint64_t nchunks, int group) {    \
         quantize_impl<T, B>(x, codes, scales, biases, nchunks, group);                              \
+    }                                                                                               \
+    extern "C" __global__ void quantize_rows_##TNAME##_b##B(                                        \
+        const T* x, uint32_t* codes, T* scales, T* biases, uint64_t nchunks, int group,            \
+        const uint32_t* rows, uint64_t cpr) {                                                       \
+        quantize_impl<T, B>(x, codes, scales, biases, nchunks, group, rows, cpr);                   \
     }                                                                                               \
     extern "C" __global__ void dequantize_##TNAME##_b##B(const uint32_t* codes, const T* scales,   \
                                                          const T* biases, T* out, uint64_t nchunks, \

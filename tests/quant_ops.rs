@@ -246,3 +246,66 @@ fn quantize_rows_into_writes_only_its_run() {
     let e = quant::quantize_rows_into(&sample(&[2, 64], DType::F32, 1.0), fmt, &pool, 0);
     assert!(e.is_err());
 }
+
+/// `quantize_into_rows` on `dev`: rows scattered over a pool (a run of consecutive slots, a
+/// lone slot, a descending pair) equal `quantize` of the same rows on the CPU, bit for bit, and
+/// the other slots stay untouched; slots outside the pool and a row count mismatch are refused.
+fn check_into_rows(dev: &Device) {
+    for (nbits, g, dtype, width) in [
+        (4, 64, DType::F16, 192),
+        (8, 32, DType::BF16, 128),
+        (3, 128, DType::F32, 256),
+        (4, 32, DType::F32, 64),
+    ] {
+        let fmt = QuantFormat::new(nbits, g).unwrap();
+        let slots = 12usize;
+        let zeros = |cols: usize, dt: DType| Tensor::zeros((slots, cols), dt, dev).unwrap();
+        let pool = Quantized {
+            codes: zeros(fmt.words_per_row(width), DType::U32),
+            scales: zeros(fmt.groups_per_row(width), dtype),
+            biases: zeros(fmt.groups_per_row(width), dtype),
+        };
+        let rows = [3u32, 4, 5, 9, 1, 0];
+        let x = sample(&[rows.len(), width], DType::F32, 2.0);
+        quant::quantize_into_rows(&x.to_device(dev).unwrap(), fmt, &pool, &rows).unwrap();
+        let want = quant::quantize(&x.to_dtype(dtype).unwrap(), fmt).unwrap();
+        let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            for (got, want) in [
+                (&pool.codes, &want.codes),
+                (&pool.scales, &want.scales),
+                (&pool.biases, &want.biases),
+            ] {
+                assert!(
+                    same(&cpu(&got.i(r).unwrap()), &want.i(i).unwrap()),
+                    "bits {nbits} g {g} {dtype:?}: row {i} -> slot {r}"
+                );
+            }
+        }
+        for slot in [2usize, 6, 7, 8, 10, 11] {
+            assert!(
+                bits(&cpu(&pool.codes.i(slot).unwrap()))
+                    .iter()
+                    .all(|&w| w == 0),
+                "slot {slot} touched"
+            );
+        }
+        let xd = x.to_device(dev).unwrap();
+        let e = quant::quantize_into_rows(&xd, fmt, &pool, &[0, 1, 2, 3, 4, 12]).unwrap_err();
+        assert!(e.to_string().contains("outside the pool"), "{e}");
+        let e = quant::quantize_into_rows(&xd, fmt, &pool, &[0, 1]).unwrap_err();
+        assert!(e.to_string().contains("rows for"), "{e}");
+    }
+}
+
+#[test]
+fn quantize_into_rows_scatters_exact_rows() {
+    check_into_rows(&Device::Cpu);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_quantize_into_rows_scatters_exact_rows() {
+    check_into_rows(&Device::new_cuda(0).expect("a CUDA device"));
+}

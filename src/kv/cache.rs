@@ -436,28 +436,43 @@ impl PagedKvCache {
                 rotated = Some((r.rotate(k)?, r.rotate(v)?));
             }
         }
+        // Per pool: which rows of k/v go to which slots, so each pool takes one write per
+        // layer (one fused launch per tensor on CUDA) instead of one per sequence and block.
+        let bs = self.cfg.block_size;
+        let mut plan: Vec<(Pool, Vec<u32>, Vec<u32>)> = Vec::new();
         for &(id, start, offset, n) in spans {
             let s = self.seq(id)?;
-            let (k, v) = match (&rotated, s.pool) {
+            let at = match plan.iter().position(|(p, ..)| *p == s.pool) {
+                Some(i) => i,
+                None => {
+                    plan.push((s.pool, Vec::new(), Vec::new()));
+                    plan.len() - 1
+                }
+            };
+            let (_, src, dst) = &mut plan[at];
+            for i in 0..n {
+                let pos = start + i;
+                let block = s.blocks.get(pos / bs).copied().flatten().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("sequence {id}: position {pos} not reserved"))
+                })?;
+                src.push((offset + i) as u32);
+                dst.push(block * bs as u32 + (pos % bs) as u32);
+            }
+        }
+        let total = k.dim(0)?;
+        for (pool, src, dst) in plan {
+            let (k, v) = match (&rotated, pool) {
                 (Some((rk, rv)), Pool::Main) => (rk, rv),
                 _ => (k, v),
             };
-            let store = &self.pool(s.pool).layers[layer];
-            let bs = self.cfg.block_size;
-            let mut done = 0;
-            while done < n {
-                let pos = start + done;
-                let run = (bs - pos % bs).min(n - done);
-                let block = s.blocks.get(pos / bs).copied().flatten().ok_or_else(|| {
-                    candle_core::Error::Msg(format!("sequence {id}: position {pos} not reserved"))
-                })? as usize;
-                store.write_run(
-                    block * bs + pos % bs,
-                    &k.narrow(0, offset + done, run)?,
-                    &v.narrow(0, offset + done, run)?,
-                )?;
-                done += run;
-            }
+            let (k, v) =
+                if src.len() == total && src.iter().enumerate().all(|(i, &r)| r == i as u32) {
+                    (k.clone(), v.clone())
+                } else {
+                    let idx = Tensor::from_slice(&src, src.len(), k.device())?;
+                    (k.index_select(&idx, 0)?, v.index_select(&idx, 0)?)
+                };
+            self.pool(pool).layers[layer].write_slots(&dst, &k, &v)?;
         }
         Ok(())
     }

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::quant::{dequantize, quantize_rows_into, QuantFormat, Quantized};
+use super::quant::{dequantize, quantize_into_rows, quantize_rows_into, QuantFormat, Quantized};
 
 /// The element format of a layer's blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,6 +130,40 @@ impl LayerKv {
             } => {
                 quantize_rows_into(k, *kfmt, qk, first)?;
                 quantize_rows_into(v, *vfmt, qv, first)
+            }
+        }
+    }
+
+    /// Writes rows `k`, `v` (`[n, width]`, any float dtype) into slots `rows` (one per input
+    /// row): quantized pools in one fused launch per tensor on CUDA (see
+    /// [`quantize_into_rows`]), otherwise run by run of consecutive slots.
+    pub fn write_slots(&self, rows: &[u32], k: &Tensor, v: &Tensor) -> Result<()> {
+        match self {
+            LayerKv::Affine {
+                kfmt,
+                vfmt,
+                k: qk,
+                v: qv,
+                ..
+            } => {
+                quantize_into_rows(k, *kfmt, qk, rows)?;
+                quantize_into_rows(v, *vfmt, qv, rows)
+            }
+            LayerKv::Dense { .. } => {
+                let mut i = 0;
+                while i < rows.len() {
+                    let mut j = i + 1;
+                    while j < rows.len() && rows[j] == rows[j - 1] + 1 {
+                        j += 1;
+                    }
+                    self.write_run(
+                        rows[i] as usize,
+                        &k.narrow(0, i, j - i)?,
+                        &v.narrow(0, i, j - i)?,
+                    )?;
+                    i = j;
+                }
+                Ok(())
             }
         }
     }

@@ -130,6 +130,75 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
     })
 }
 
+/// Quantizes `x [n, d]` (the pool's dtype, contiguous) into rows `rows` of `dst` in place: one
+/// launch, the pool's buffers written by the kernel (as `slice_set` writes them through its
+/// storage). The caller has checked shapes and bounds.
+pub(super) fn quantize_into_rows(
+    x: &Tensor,
+    fmt: QuantFormat,
+    dst: &Quantized,
+    rows: &[u32],
+) -> Result<()> {
+    let x = aligned(x)?;
+    let (d, n) = (x.dim(1)?, x.elem_count());
+    fn run<T: CudaDType + DeviceRepr>(
+        x: &Tensor,
+        fmt: QuantFormat,
+        dst: &Quantized,
+        rows: &[u32],
+        d: usize,
+        n: usize,
+    ) -> Result<()> {
+        let (st, o1, o2) = cuda_parts(x)?;
+        let cs = as_cuda(&st)?;
+        let dev = cs.device.clone();
+        let xs = cs.as_cuda_slice::<T>()?.slice(o1..o2);
+        let (cst, cl) = dst.codes.storage_and_layout();
+        let (sst, sl) = dst.scales.storage_and_layout();
+        let (bst, bl) = dst.biases.storage_and_layout();
+        let whole = |l: &candle_core::Layout| -> Result<()> {
+            if l.start_offset() == 0 && l.is_contiguous() {
+                Ok(())
+            } else {
+                Err(candle_core::Error::Msg(
+                    "quantize_into_rows: the pool must be a whole contiguous tensor".into(),
+                ))
+            }
+        };
+        whole(cl)?;
+        whole(sl)?;
+        whole(bl)?;
+        let codes = as_cuda(&cst)?.as_cuda_slice::<u32>()?;
+        let scales = as_cuda(&sst)?.as_cuda_slice::<T>()?;
+        let biases = as_cuda(&bst)?.as_cuda_slice::<T>()?;
+        let rows_dev = dev.clone_htod(rows)?;
+        let name = format!("quantize_rows_{}_b{}", dtype_name(x.dtype())?, fmt.bits());
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);
+        let mut b = f.builder();
+        b.arg(&xs)
+            .arg(codes)
+            .arg(scales)
+            .arg(biases)
+            .arg(&nchunks)
+            .arg(&group)
+            .arg(&rows_dev)
+            .arg(&cpr);
+        unsafe { b.launch(launch_cfg(n / 8, QUANT_UNROLL)) }.w()?;
+        Ok(())
+    }
+    match x.dtype() {
+        DType::F32 => run::<f32>(&x, fmt, dst, rows, d, n),
+        DType::F16 => run::<f16>(&x, fmt, dst, rows, d, n),
+        DType::BF16 => run::<bf16>(&x, fmt, dst, rows, d, n),
+        other => Err(super::QuantError::DType {
+            op: "quantize_into_rows",
+            dtype: other,
+        }
+        .into()),
+    }
+}
+
 pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
     let (codes, scales, biases) = (
         q.codes.contiguous()?,

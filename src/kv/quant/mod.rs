@@ -241,6 +241,48 @@ pub fn quantize_rows_into(
     dst.biases.slice_set(&q.biases, 0, first)
 }
 
+/// Quantizes `x [n, D]` into rows `rows[i]` of a preallocated pool (bounds checked on the host;
+/// other rows untouched). On CUDA one fused launch quantizes every row straight into the pool;
+/// elsewhere each run of consecutive rows goes through [`quantize_rows_into`]. This is the
+/// cache's write path for a batch: one launch per layer and tensor, however many sequences
+/// (a run per sequence would launch four kernels each).
+pub fn quantize_into_rows(
+    x: &Tensor,
+    fmt: QuantFormat,
+    dst: &Quantized,
+    rows: &[u32],
+) -> Result<()> {
+    let op = "quantize_into_rows";
+    let (pool_rows, n) = check_rows_into(x, fmt, dst, op)?;
+    let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
+    if rows.len() != n {
+        return Err(shape_err(format!("{} rows for {n} input rows", rows.len())));
+    }
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= pool_rows) {
+        return Err(shape_err(format!(
+            "row {r} is outside the pool of {pool_rows} rows"
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(_) = x.device() {
+        let x = x.to_dtype(dst.scales.dtype())?.contiguous()?;
+        return cuda::quantize_into_rows(&x, fmt, dst, rows);
+    }
+    let mut i = 0;
+    while i < n {
+        let mut j = i + 1;
+        while j < n && rows[j] == rows[j - 1] + 1 {
+            j += 1;
+        }
+        quantize_rows_into(&x.narrow(0, i, j - i)?, fmt, dst, rows[i] as usize)?;
+        i = j;
+    }
+    Ok(())
+}
+
 fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
     let rows = x.elem_count() / d;
     let (words, groups) = (fmt.words_per_row(d), fmt.groups_per_row(d));

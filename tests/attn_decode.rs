@@ -411,26 +411,32 @@ mod cuda {
     #[test]
     fn cuda_matches_reference_all_formats() {
         let dev = Device::new_cuda(0).expect("a CUDA device");
+        // Every width and group at head_dim 128; head_dim 64 (the default model's) and one other
+        // than 64 / 128 (block-wide kernel) with the groups that fit.
         let mut seed = 1000;
-        for bits in QuantFormat::BITS {
-            for g in QuantFormat::GROUP_SIZES {
-                for gqa in [1, 3, 8] {
-                    for (kvh, seqs) in layouts() {
-                        seed += 1;
-                        let c = build(
-                            affine(bits, g, DType::F32),
-                            kvh,
-                            gqa,
-                            &seqs,
-                            DType::F32,
-                            seed,
-                        );
-                        check(
-                            &c,
-                            &dev,
-                            1e-4,
-                            &format!("bits {bits} g {g} gqa {gqa} kvh {kvh}"),
-                        );
+        let all = &QuantFormat::GROUP_SIZES[..];
+        for (d, groups, gqas) in [
+            (HEAD_DIM, all, &[1, 3, 8][..]),
+            (64, &[32, 64][..], &[1, 3][..]),
+            (96, &[32][..], &[1, 3][..]),
+        ] {
+            for &g in groups {
+                for bits in QuantFormat::BITS {
+                    for &gqa in gqas {
+                        for (kvh, seqs) in layouts() {
+                            seed += 1;
+                            let c = build_d(
+                                affine(bits, g, DType::F32),
+                                kvh,
+                                gqa,
+                                &seqs,
+                                DType::F32,
+                                seed,
+                                d,
+                            );
+                            let what = format!("d {d} bits {bits} g {g} gqa {gqa} kvh {kvh}");
+                            check(&c, &dev, 1e-4, &what);
+                        }
                     }
                 }
             }
@@ -453,33 +459,6 @@ mod cuda {
         let (kvh, seqs) = layouts().remove(0);
         let c = build(affine(4, 64, DType::F16), kvh, 16, &seqs, DType::F16, 77);
         check(&c, &dev, 5e-3, "4-bit f16 scales, f16 q, gqa 16");
-        // head_dim 64 (the default model's) and one other than 64 / 128 (block-wide kernel).
-        for (d, groups) in [(64, &[32, 64][..]), (96, &[32][..])] {
-            for &g in groups {
-                for bits in QuantFormat::BITS {
-                    for gqa in [1, 3] {
-                        for (kvh, seqs) in layouts() {
-                            seed += 1;
-                            let c = build_d(
-                                affine(bits, g, DType::F32),
-                                kvh,
-                                gqa,
-                                &seqs,
-                                DType::F32,
-                                seed,
-                                d,
-                            );
-                            check(
-                                &c,
-                                &dev,
-                                1e-4,
-                                &format!("d {d} g {g} bits {bits} gqa {gqa}"),
-                            );
-                        }
-                    }
-                }
-            }
-        }
         // Queries far outside f16's range (the tensor-core scores scale q by a power of two
         // before splitting it into f16 terms) and far below it.
         for (bits, mul) in [(4, 1e5), (8, 1e5), (4, 1e-6), (8, 1e-6)] {

@@ -353,6 +353,9 @@ impl PagedKvCache {
                 })
                 .collect();
             let src_slots = Tensor::from_vec(src_slots, s.len, &self.device)?;
+            let dst_slots: Vec<u32> = (0..s.len)
+                .map(|p| new[p / bs] * bs as u32 + (p % bs) as u32)
+                .collect();
             for (l, dst) in self.main.layers.iter().enumerate() {
                 let (k, v) =
                     staging.layers[l].gather(&src_slots, staging_dtype(&staging.layers[l]))?;
@@ -360,14 +363,7 @@ impl PagedKvCache {
                     Some(r) => (r.rotate(&k)?, r.rotate(&v)?),
                     None => (k, v),
                 };
-                for (b, &block) in new.iter().enumerate() {
-                    let n = bs.min(s.len - b * bs);
-                    dst.write_run(
-                        block as usize * bs,
-                        &k.narrow(0, b * bs, n)?,
-                        &v.narrow(0, b * bs, n)?,
-                    )?;
-                }
+                dst.write_slots(&dst_slots, &k, &v)?;
             }
         }
         let staging = self.staging.as_mut().expect("staging pool");

@@ -7,7 +7,9 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::quant::{dequantize, quantize_into_rows, quantize_rows_into, QuantFormat, Quantized};
+use super::quant::{
+    dequantize, quantize_into_rows, quantize_rows_into, slot_runs, QuantFormat, Quantized,
+};
 
 /// The element format of a layer's blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,18 +152,12 @@ impl LayerKv {
                 quantize_into_rows(v, *vfmt, qv, rows)
             }
             LayerKv::Dense { .. } => {
-                let mut i = 0;
-                while i < rows.len() {
-                    let mut j = i + 1;
-                    while j < rows.len() && rows[j] == rows[j - 1] + 1 {
-                        j += 1;
-                    }
+                for (i, len) in slot_runs(rows) {
                     self.write_run(
                         rows[i] as usize,
-                        &k.narrow(0, i, j - i)?,
-                        &v.narrow(0, i, j - i)?,
+                        &k.narrow(0, i, len)?,
+                        &v.narrow(0, i, len)?,
                     )?;
-                    i = j;
                 }
                 Ok(())
             }

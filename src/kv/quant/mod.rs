@@ -271,16 +271,26 @@ pub fn quantize_into_rows(
         let x = x.to_dtype(dst.scales.dtype())?.contiguous()?;
         return cuda::quantize_into_rows(&x, fmt, dst, rows);
     }
-    let mut i = 0;
-    while i < n {
-        let mut j = i + 1;
-        while j < n && rows[j] == rows[j - 1] + 1 {
-            j += 1;
-        }
-        quantize_rows_into(&x.narrow(0, i, j - i)?, fmt, dst, rows[i] as usize)?;
-        i = j;
+    for (i, len) in slot_runs(rows) {
+        quantize_rows_into(&x.narrow(0, i, len)?, fmt, dst, rows[i] as usize)?;
     }
     Ok(())
+}
+
+/// The runs of consecutive slots in `rows`, as (first index, length).
+pub(crate) fn slot_runs(rows: &[u32]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= rows.len() {
+            return None;
+        }
+        let start = i;
+        i += 1;
+        while i < rows.len() && rows[i] == rows[i - 1] + 1 {
+            i += 1;
+        }
+        Some((start, i - start))
+    })
 }
 
 fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
@@ -411,4 +421,17 @@ fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
         }
     };
     Ok(wrap(Storage::Cpu(out), with_last(&q.scales, d)))
+}
+
+#[cfg(test)]
+mod slot_run_tests {
+    use super::slot_runs;
+
+    #[test]
+    fn runs_split_at_gaps_and_descents() {
+        let runs: Vec<_> = slot_runs(&[3, 4, 5, 9, 1, 0, 1]).collect();
+        assert_eq!(runs, [(0, 3), (3, 1), (4, 1), (5, 2)]);
+        assert_eq!(slot_runs(&[]).count(), 0);
+        assert_eq!(slot_runs(&[7]).collect::<Vec<_>>(), [(0, 1)]);
+    }
 }

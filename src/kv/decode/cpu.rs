@@ -147,6 +147,15 @@ impl Isa {
         v
     }
 
+    /// f32 lanes of its vectors.
+    fn lanes(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => 16,
+            _ => 8,
+        }
+    }
+
     /// The widest implementation this CPU and head dimension allow (`head_dim % 8 == 0`; 16
     /// lanes need `head_dim % 16 == 0`).
     fn best(head_dim: usize) -> Isa {
@@ -391,6 +400,24 @@ fn decode_with(
         .into_iter()
         .map(|x| x * scale)
         .collect();
+    // 4-bit rows decode byte-interleaved (`simd::element`): the query is permuted to that
+    // order once here, and the output back at the end, so the kernel never permutes.
+    let interleaved = matches!(kv, LayerKv::Affine { kfmt, .. } if kfmt.bits() == 4);
+    let at = |e: usize| simd::element(4, isa.lanes(), e / isa.lanes(), e % isa.lanes());
+    let qv = if interleaved {
+        let mut qp = vec![0f32; qv.len()];
+        for (qd, qs) in qp
+            .chunks_exact_mut(d.head_dim)
+            .zip(qv.chunks_exact(d.head_dim))
+        {
+            for (i, x) in qd.iter_mut().enumerate() {
+                *x = qs[at(i)];
+            }
+        }
+        qp
+    } else {
+        qv
+    };
     let plan = plan(d, t);
     let slots = d.num_blocks * d.block_size;
     let width = d.kv_heads * d.head_dim;
@@ -498,6 +525,20 @@ fn decode_with(
                 }
             }
         }
+    };
+    let out = if interleaved {
+        let mut o = vec![0f32; out.len()];
+        for (od, os) in o
+            .chunks_exact_mut(d.head_dim)
+            .zip(out.chunks_exact(d.head_dim))
+        {
+            for (i, x) in os.iter().enumerate() {
+                od[at(i)] = *x;
+            }
+        }
+        o
+    } else {
+        out
     };
     Tensor::from_vec(out, (d.batch, d.heads, d.head_dim), &Device::Cpu)?.to_dtype(q.dtype())
 }

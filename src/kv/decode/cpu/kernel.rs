@@ -1,22 +1,24 @@
 //! One task of the fused CPU decode kernel — a run of positions of one (sequence, KV head) for
 //! all `G` query heads sharing it — written once over the vector operations of [`Simd`].
 //!
-//! Quantized values are rebuilt in registers, `x̂ = code·scale + bias` (one multiply-add per
-//! vector of `LANES` values, shared by all `G` query heads), and never stored: that costs one
-//! multiply-add per `G` of the attention itself, less than applying scales and biases to each
-//! head's partial sums would cost in scalar bookkeeping.
+//! The kernel is bound by instructions, not bytes or multiply-adds, so each pass is shaped to
+//! keep per-row scalar work and loads per multiply-add low:
 //!
-//! - K pass, row by row: the `G` dot products of the query heads with the row run side by side,
-//!   each reduced to a score at the row's end.
+//! - Parameter pass (quantized rows): the task's scales and biases are widened to f32 once, into
+//!   per-group arrays, instead of one scalar conversion per use.
+//! - K pass, two rows at a time, vectors in pairs (one load for the two nibble vectors of 4-bit
+//!   codes): K is rebuilt in registers, `x̂ = code·scale + bias` (one multiply-add per vector,
+//!   shared by all query heads), and each query vector load feeds both rows.
 //! - Softmax statistics in f32 over the task's scores.
-//! - V pass, in tiles of [`TILE`] positions: for each vector column of the head, the tile's rows
-//!   are rebuilt and accumulated for the query heads in registers (two interleaved position
-//!   streams, so the multiply-add chains overlap).
+//! - V pass, in tiles of [`TILE`] positions and blocks of up to four vector columns: scales are
+//!   folded into the softmax weights, `Σ_t p_t (s_t c_t + b_t) = Σ_t (p_t s_t) c_t + Σ_t p_t b_t`
+//!   per group, so codes are accumulated as they decode (no rebuild) and the biases become one
+//!   dot product per (head, group) added at the end.
 //!
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
 //! accumulators stay in registers); a row is decoded once per chunk.
 
-use super::simd::{element, Simd};
+use super::simd::Simd;
 use super::Elem;
 
 /// Positions per V tile: the tile's rows stay in L1 while every column of the head is summed.
@@ -31,9 +33,6 @@ const PREFETCH: usize = 16;
 pub(super) trait Rows<S: Simd>: Sync {
     /// Whether rows carry a scale and a bias per group.
     const AFFINE: bool;
-    /// Whether [`Rows::vec`] gives 4-bit codes in byte-interleaved order
-    /// ([`element`](super::simd::element)); else natural order.
-    const INTERLEAVED: bool;
     /// Offset of `slot`'s row of this KV head in the pool's element (or word) slice.
     fn row(&self, slot: usize) -> usize;
     /// Vector `v` of the row at `row`: values `LANES*v..LANES*(v+1)`, or for interleaved rows
@@ -42,10 +41,17 @@ pub(super) trait Rows<S: Simd>: Sync {
     /// Safety: `row` comes from [`Rows::row`] of a slot inside the pool,
     /// `v < head_dim / LANES`, and the CPU supports `S`.
     unsafe fn vec(&self, row: usize, v: usize) -> S::V;
+    /// Vectors `2u` and `2u + 1` of the row ([`Simd::code_pair`]). Safety: as [`Rows::vec`].
+    #[inline(always)]
+    unsafe fn pair(&self, row: usize, u: usize) -> [S::V; 2] {
+        [self.vec(row, 2 * u), self.vec(row, 2 * u + 1)]
+    }
     /// Scale and bias of group `g` of `slot` (dense rows: 1 and 0). Safety: the CPU supports `S`.
     unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32);
-    /// Starts loading `slot`'s row of this head (values, codes, scales and biases) into cache.
+    /// Starts loading `slot`'s row of this head (values or codes) into cache.
     fn prefetch(&self, slot: usize);
+    /// Starts loading `slot`'s scales and biases of this head into cache (dense rows: nothing).
+    fn prefetch_params(&self, slot: usize);
 }
 
 /// Prefetches every cache line of `len` elements from `data[at]`.
@@ -74,7 +80,6 @@ pub(super) struct DenseRows<'a, T> {
 
 impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
     const AFFINE: bool = false;
-    const INTERLEAVED: bool = false;
     #[inline(always)]
     fn row(&self, slot: usize) -> usize {
         slot * self.stride + self.head
@@ -91,6 +96,8 @@ impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
     fn prefetch(&self, slot: usize) {
         prefetch_span::<S, T>(self.data, <Self as Rows<S>>::row(self, slot), self.head_len);
     }
+    #[inline(always)]
+    fn prefetch_params(&self, _: usize) {}
 }
 
 /// `B`-bit affine rows with scales and biases of type `T`.
@@ -112,7 +119,6 @@ pub(super) struct AffineRows<'a, T, const B: u32> {
 
 impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     const AFFINE: bool = true;
-    const INTERLEAVED: bool = B == 4;
     #[inline(always)]
     fn row(&self, slot: usize) -> usize {
         slot * self.row_words + self.head_word
@@ -120,6 +126,10 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     #[inline(always)]
     unsafe fn vec(&self, row: usize, v: usize) -> S::V {
         S::codes::<B>(self.codes.as_ptr().add(row), self.head_words, v)
+    }
+    #[inline(always)]
+    unsafe fn pair(&self, row: usize, u: usize) -> [S::V; 2] {
+        S::code_pair::<B>(self.codes.as_ptr().add(row), self.head_words, u)
     }
     #[inline(always)]
     unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32) {
@@ -130,6 +140,9 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     fn prefetch(&self, slot: usize) {
         let row = <Self as Rows<S>>::row(self, slot);
         prefetch_span::<S, u32>(self.codes, row, self.head_words);
+    }
+    #[inline(always)]
+    fn prefetch_params(&self, slot: usize) {
         let i = slot * self.row_groups + self.head_group;
         prefetch_span::<S, T>(self.scales, i, self.head_groups);
         prefetch_span::<S, T>(self.biases, i, self.head_groups);
@@ -150,10 +163,10 @@ pub(super) struct Shape {
 #[derive(Default)]
 pub(super) struct Scratch {
     scores: Vec<f32>,
-    /// (scale, bias) of each (position, group) of a V tile.
+    /// Quantized rows: K scales, K biases, V scales, V biases of the task, each `[groups, n]`.
     params: Vec<f32>,
-    /// The query, and then the accumulators, in decoded order (interleaved rows only).
-    perm: Vec<f32>,
+    /// Softmax weights times V scales of one tile, `[G, groups, TILE]`.
+    weights: Vec<f32>,
     rows: Vec<usize>,
 }
 
@@ -163,11 +176,13 @@ fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v
 }
 
-/// Runs one task: `q` is `[G, head_dim]` (scaled), `slots` the pool slots of the task's
-/// positions. Writes `out = [max (G) | sum (G) | weighted V (G × head_dim)]`.
+/// Runs one task: `q` is `[G, head_dim]` (scaled, in the rows' decoded order), `slots` the pool
+/// slots of the task's positions. Writes `out = [max (G) | sum (G) | weighted V (G × head_dim)]`,
+/// the weighted V in decoded order.
 ///
 /// Safety: every slot lies inside the pools of `k` and `v`, `head_dim % group == 0`,
-/// `group % S::LANES == 0`, and the CPU supports `S`.
+/// `group % (2 · S::LANES) == 0` for quantized rows, `head_dim % S::LANES == 0`, and the CPU
+/// supports `S`.
 #[inline(always)]
 pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     k: &R,
@@ -181,30 +196,45 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     let (g, hd) = (sh.g, sh.head_dim);
     let ng = hd / sh.group;
     let n = slots.len();
-    let at = |e: usize| element(4, S::LANES, e / S::LANES, e % S::LANES);
-    let q = if R::INTERLEAVED {
-        let qp = sized(&mut scratch.perm, g * hd);
-        for (qd, qs) in qp.chunks_exact_mut(hd).zip(q.chunks_exact(hd)) {
-            for (i, x) in qd.iter_mut().enumerate() {
-                *x = qs[at(i)];
+    let params: &[f32] = if R::AFFINE {
+        let p = sized(&mut scratch.params, 4 * ng * n);
+        for (t, &s) in slots.iter().enumerate() {
+            if let Some(&ahead) = slots.get(t + PREFETCH) {
+                k.prefetch_params(ahead as usize);
+                v.prefetch_params(ahead as usize);
+            }
+            for gi in 0..ng {
+                let (ks, kb) = k.scale_bias(s as usize, gi);
+                let (vs, vb) = v.scale_bias(s as usize, gi);
+                let at = gi * n + t;
+                *p.get_unchecked_mut(at) = ks;
+                *p.get_unchecked_mut(ng * n + at) = kb;
+                *p.get_unchecked_mut(2 * ng * n + at) = vs;
+                *p.get_unchecked_mut(3 * ng * n + at) = vb;
             }
         }
-        &*qp
+        p
     } else {
-        q
+        &[]
     };
     let scores = sized(&mut scratch.scores, g * n);
-    chunks(g, |j0, nj| match nj {
-        4 => k_pass::<S, R, 4>(k, v, q, slots, sh, j0, scores),
-        3 => k_pass::<S, R, 3>(k, v, q, slots, sh, j0, scores),
-        2 => k_pass::<S, R, 2>(k, v, q, slots, sh, j0, scores),
-        _ => k_pass::<S, R, 1>(k, v, q, slots, sh, j0, scores),
-    });
+    // Loops, not closures, around the vector code: a closure does not inherit the caller's
+    // target features, so the vector operations inside it would not inline.
+    let mut j0 = 0;
+    while j0 < g {
+        match g - j0 {
+            1 => k_pass::<S, R, 1>(k, v, q, slots, sh, params, j0, scores),
+            2 => k_pass::<S, R, 2>(k, v, q, slots, sh, params, j0, scores),
+            3 => k_pass::<S, R, 3>(k, v, q, slots, sh, params, j0, scores),
+            _ => k_pass::<S, R, 4>(k, v, q, slots, sh, params, j0, scores),
+        }
+        j0 += 4;
+    }
     let (m, rest) = out.split_at_mut(g);
     let (l, acc) = rest.split_at_mut(g);
     softmax_rows(scores, n, m, l);
     acc.fill(0.0);
-    let params = sized(&mut scratch.params, 2 * TILE * ng);
+    let weights = sized(&mut scratch.weights, g * ng * TILE);
     let rows = &mut scratch.rows;
     for (ti, tile) in slots.chunks(TILE).enumerate() {
         let t0 = ti * TILE;
@@ -213,55 +243,74 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
             if let Some(&next) = slots.get(t0 + TILE + t) {
                 v.prefetch(next as usize);
             }
-            let s = s as usize;
-            rows.push(v.row(s));
-            if R::AFFINE {
-                for (gi, p) in params[2 * t * ng..][..2 * ng]
-                    .chunks_exact_mut(2)
-                    .enumerate()
-                {
-                    (p[0], p[1]) = v.scale_bias(s, gi);
+            rows.push(v.row(s as usize));
+        }
+        if R::AFFINE {
+            let vs = &params[2 * ng * n..3 * ng * n];
+            for j in 0..g {
+                let p = &scores[j * n + t0..][..tile.len()];
+                for gi in 0..ng {
+                    let w = &mut weights[(j * ng + gi) * TILE..][..tile.len()];
+                    for ((w, p), s) in w.iter_mut().zip(p).zip(&vs[gi * n + t0..]) {
+                        *w = p * s;
+                    }
                 }
             }
         }
         let tile = Tile {
             rows,
-            params,
+            weights,
+            ng,
             scores,
             n,
             t0,
         };
-        chunks(g, |j0, nj| match nj {
-            4 => v_tile::<S, R, 4>(v, &tile, sh, j0, acc),
-            3 => v_tile::<S, R, 3>(v, &tile, sh, j0, acc),
-            2 => v_tile::<S, R, 2>(v, &tile, sh, j0, acc),
-            _ => v_tile::<S, R, 1>(v, &tile, sh, j0, acc),
-        });
+        let mut j0 = 0;
+        while j0 < g {
+            match g - j0 {
+                1 => v_tile::<S, R, 1>(v, &tile, sh, j0, acc),
+                2 => v_tile::<S, R, 2>(v, &tile, sh, j0, acc),
+                3 => v_tile::<S, R, 3>(v, &tile, sh, j0, acc),
+                _ => v_tile::<S, R, 4>(v, &tile, sh, j0, acc),
+            }
+            j0 += 4;
+        }
     }
-    if R::INTERLEAVED {
-        let tmp = sized(&mut scratch.perm, g * hd);
-        tmp.copy_from_slice(acc);
-        for (a, t) in acc.chunks_exact_mut(hd).zip(tmp.chunks_exact(hd)) {
-            for (i, x) in t.iter().enumerate() {
-                a[at(i)] = *x;
+    if R::AFFINE {
+        // Σ_t p_t b_t per (head, group), added to every value of the group.
+        let vb = &params[3 * ng * n..];
+        for j in 0..g {
+            let p = &scores[j * n..][..n];
+            for gi in 0..ng {
+                let bias = dot(p, &vb[gi * n..][..n]);
+                for x in &mut acc[j * hd + gi * sh.group..][..sh.group] {
+                    *x += bias;
+                }
             }
         }
     }
 }
 
-/// Calls `f(first, count)` for chunks of at most four of the `g` query heads.
+/// `Σ a_i b_i` with eight partial sums (so it vectorizes; the order is fixed, so deterministic).
 #[inline(always)]
-fn chunks(g: usize, mut f: impl FnMut(usize, usize)) {
-    let mut j0 = 0;
-    while j0 < g {
-        let nj = (g - j0).min(4);
-        f(j0, nj);
-        j0 += nj;
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut part = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            part[i] += x[i] * y[i];
+        }
     }
+    for (i, (x, y)) in ar.iter().zip(br).enumerate() {
+        part[i] += x * y;
+    }
+    part.iter().sum()
 }
 
-/// Scores of query heads `j0..j0+NJ` against every row: `scores[j * n + t]`.
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+/// Scores of query heads `j0..j0+NJ` against every row: `scores[j * n + t]`. `params` holds
+/// the K scales and biases (`[groups, n]` each) of quantized rows.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn k_pass<S: Simd, R: Rows<S>, const NJ: usize>(
     k: &R,
@@ -269,41 +318,114 @@ unsafe fn k_pass<S: Simd, R: Rows<S>, const NJ: usize>(
     q: &[f32],
     slots: &[u32],
     sh: Shape,
+    params: &[f32],
+    j0: usize,
+    scores: &mut [f32],
+) {
+    let n = slots.len();
+    let qp = q.as_ptr().add(j0 * sh.head_dim);
+    let mut t = 0;
+    while t < n {
+        if j0 == 0 {
+            // Rows PREFETCH ahead; past the end, the first V rows.
+            for ahead in t + PREFETCH..(t + PREFETCH + 2).min(2 * n) {
+                if ahead < n {
+                    k.prefetch(slots[ahead] as usize);
+                } else {
+                    v.prefetch(slots[ahead - n] as usize);
+                }
+            }
+        }
+        if t + 1 < n {
+            k_rows::<S, R, NJ, 2>(k, qp, slots, sh, params, t, j0, scores);
+            t += 2;
+        } else {
+            k_rows::<S, R, NJ, 1>(k, qp, slots, sh, params, t, j0, scores);
+            t += 1;
+        }
+    }
+}
+
+/// Scores of rows `t..t+RW` for query heads `j0..j0+NJ` (`qp` points at head `j0`).
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
+    k: &R,
+    qp: *const f32,
+    slots: &[u32],
+    sh: Shape,
+    params: &[f32],
+    t: usize,
     j0: usize,
     scores: &mut [f32],
 ) {
     let (hd, n) = (sh.head_dim, slots.len());
     let (gv, ng) = (sh.group / S::LANES, hd / sh.group);
-    let qp = q.as_ptr().add(j0 * hd);
-    for (t, &s) in slots.iter().enumerate() {
-        if j0 == 0 {
-            // The row PREFETCH ahead; past the end, the first V rows.
-            let ahead = t + PREFETCH;
-            if ahead < n {
-                k.prefetch(slots[ahead] as usize);
-            } else if ahead - n < n {
-                v.prefetch(slots[ahead - n] as usize);
+    let rows: [usize; RW] = std::array::from_fn(|r| k.row(*slots.get_unchecked(t + r) as usize));
+    let mut a = [[S::zero(); NJ]; RW];
+    for gi in 0..ng {
+        let (mut sc, mut bi) = ([S::zero(); RW], [S::zero(); RW]);
+        if R::AFFINE {
+            let at = gi * n + t;
+            for r in 0..RW {
+                sc[r] = S::splat(*params.get_unchecked(at + r));
+                bi[r] = S::splat(*params.get_unchecked(ng * n + at + r));
             }
         }
-        let s = s as usize;
-        let row = k.row(s);
-        let mut a = [S::zero(); NJ];
-        for gi in 0..ng {
-            let (sc, bi) = k.scale_bias(s, gi);
-            let (sc, bi) = (S::splat(sc), S::splat(bi));
-            for vi in gi * gv..(gi + 1) * gv {
-                let mut x = k.vec(row, vi);
+        let v0 = gi * gv;
+        for u in v0 / 2..(v0 + gv) / 2 {
+            let mut x = [[S::zero(); 2]; RW];
+            for r in 0..RW {
+                x[r] = k.pair(rows[r], u);
                 if R::AFFINE {
-                    x = S::fma(x, sc, bi);
+                    for x in &mut x[r] {
+                        *x = S::fma(*x, sc[r], bi[r]);
+                    }
                 }
-                for j in 0..NJ {
-                    a[j] = S::fma(S::load(qp.add(j * hd + S::LANES * vi)), x, a[j]);
+            }
+            for j in 0..NJ {
+                for h in 0..2 {
+                    let qj = S::load(qp.add(j * hd + S::LANES * (2 * u + h)));
+                    for r in 0..RW {
+                        a[r][j] = S::fma(qj, x[r][h], a[r][j]);
+                    }
                 }
             }
         }
-        let sums = hsums::<S, NJ>(&a);
+        if gv % 2 == 1 {
+            // Dense rows with an odd number of vectors: the last one alone.
+            let vi = v0 + gv - 1;
+            for r in 0..RW {
+                let x = k.vec(rows[r], vi);
+                for j in 0..NJ {
+                    a[r][j] = S::fma(S::load(qp.add(j * hd + S::LANES * vi)), x, a[r][j]);
+                }
+            }
+        }
+    }
+    if NJ == 4 && RW == 2 {
+        // Both rows' sums at once (cheaper than two four-way reductions).
+        let v = |r: usize, j: usize| *a.get_unchecked(r).get_unchecked(j);
+        let s = S::hsum8([
+            v(0, 0),
+            v(0, 1),
+            v(0, 2),
+            v(0, 3),
+            v(1, 0),
+            v(1, 1),
+            v(1, 2),
+            v(1, 3),
+        ]);
+        for j in 0..4 {
+            *scores.get_unchecked_mut((j0 + j) * n + t) = s[j];
+            *scores.get_unchecked_mut((j0 + j) * n + t + 1) = s[4 + j];
+        }
+        return;
+    }
+    for r in 0..RW {
+        let sums = hsums::<S, NJ>(&a[r]);
         for j in 0..NJ {
-            *scores.get_unchecked_mut((j0 + j) * n + t) = sums[j];
+            *scores.get_unchecked_mut((j0 + j) * n + t + r) = sums[j];
         }
     }
 }
@@ -324,18 +446,33 @@ unsafe fn hsums<S: Simd, const NJ: usize>(a: &[S::V; NJ]) -> [f32; NJ] {
     out
 }
 
-/// One V tile: row offsets, (scale, bias) per (position, group), and the task's weights.
+/// One V tile: row offsets and the weights of its positions.
 struct Tile<'a> {
     rows: &'a [usize],
-    params: &'a [f32],
-    /// `[G, n]` softmax numerators of the task; the tile starts at position `t0`.
+    /// Quantized rows: `[G, groups, TILE]` softmax weights times V scales.
+    weights: &'a [f32],
+    ng: usize,
+    /// `[G, n]` softmax numerators of the task (the weights of dense rows); the tile starts at
+    /// position `t0`.
     scores: &'a [f32],
     n: usize,
     t0: usize,
 }
 
-/// Adds `Σ_t p_jt · row_t` of one tile to the accumulators of query heads `j0..j0+NJ`.
-#[allow(clippy::needless_range_loop)]
+impl Tile<'_> {
+    /// Weight of query head `j`'s position `t` of the tile for group `gi`.
+    #[inline(always)]
+    unsafe fn weight(&self, affine: bool, j: usize, gi: usize, t: usize) -> *const f32 {
+        if affine {
+            self.weights.as_ptr().add((j * self.ng + gi) * TILE + t)
+        } else {
+            self.scores.as_ptr().add(j * self.n + self.t0 + t)
+        }
+    }
+}
+
+/// Adds `Σ_t w_jt · row_t` of one tile to the accumulators of query heads `j0..j0+NJ`: vector
+/// columns in blocks of four (quantized rows always have an even count), then pairs, then one.
 #[inline(always)]
 unsafe fn v_tile<S: Simd, R: Rows<S>, const NJ: usize>(
     v: &R,
@@ -344,82 +481,162 @@ unsafe fn v_tile<S: Simd, R: Rows<S>, const NJ: usize>(
     j0: usize,
     acc: &mut [f32],
 ) {
-    let (hd, tn) = (sh.head_dim, tile.rows.len());
-    let (gv, ng) = (sh.group / S::LANES, hd / sh.group);
-    let p: [*const f32; NJ] =
-        std::array::from_fn(|j| tile.scores.as_ptr().add((j0 + j) * tile.n + tile.t0));
-    let rebuilt = |t: usize, vi: usize| -> S::V {
-        let x = v.vec(*tile.rows.get_unchecked(t), vi);
-        if R::AFFINE {
-            let sb = tile.params.as_ptr().add(2 * (t * ng + vi / gv));
-            S::fma(x, S::splat(*sb), S::splat(*sb.add(1)))
-        } else {
-            x
-        }
-    };
-    for vi in 0..hd / S::LANES {
-        let (mut a, mut b) = ([S::zero(); NJ], [S::zero(); NJ]);
-        let mut t = 0;
-        while t + 1 < tn {
-            let (x0, x1) = (rebuilt(t, vi), rebuilt(t + 1, vi));
+    let nv = sh.head_dim / S::LANES;
+    let mut c = 0;
+    while c + 4 <= nv {
+        v_cols::<S, R, NJ, 2>(v, tile, sh, j0, c, acc);
+        c += 4;
+    }
+    if c + 2 <= nv {
+        v_cols::<S, R, NJ, 1>(v, tile, sh, j0, c, acc);
+        c += 2;
+    }
+    if c < nv {
+        v_col::<S, R, NJ>(v, tile, sh, j0, c, acc);
+    }
+}
+
+/// [`v_tile`] for the `2·P` vector columns from `c0` (even), decoded in pairs.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn v_cols<S: Simd, R: Rows<S>, const NJ: usize, const P: usize>(
+    v: &R,
+    tile: &Tile,
+    sh: Shape,
+    j0: usize,
+    c0: usize,
+    acc: &mut [f32],
+) {
+    let gv = sh.group / S::LANES;
+    let mut a = [[[S::zero(); 2]; P]; NJ];
+    let w: [[*const f32; P]; NJ] = std::array::from_fn(|j| {
+        std::array::from_fn(|p| tile.weight(R::AFFINE, j0 + j, (c0 + 2 * p) / gv, 0))
+    });
+    for (t, &row) in tile.rows.iter().enumerate() {
+        for p in 0..P {
+            let x = v.pair(row, c0 / 2 + p);
             for j in 0..NJ {
-                a[j] = S::fma(S::splat(*p[j].add(t)), x0, a[j]);
-                b[j] = S::fma(S::splat(*p[j].add(t + 1)), x1, b[j]);
-            }
-            t += 2;
-        }
-        if t < tn {
-            let x0 = rebuilt(t, vi);
-            for j in 0..NJ {
-                a[j] = S::fma(S::splat(*p[j].add(t)), x0, a[j]);
+                let wj = S::splat(*w[j][p].add(t));
+                a[j][p][0] = S::fma(wj, x[0], a[j][p][0]);
+                a[j][p][1] = S::fma(wj, x[1], a[j][p][1]);
             }
         }
-        for j in 0..NJ {
-            let o = acc.as_mut_ptr().add((j0 + j) * hd + S::LANES * vi);
-            S::store(o, S::add(S::load(o), S::add(a[j], b[j])));
+    }
+    for j in 0..NJ {
+        for p in 0..P {
+            for h in 0..2 {
+                let o = acc
+                    .as_mut_ptr()
+                    .add((j0 + j) * sh.head_dim + S::LANES * (c0 + 2 * p + h));
+                S::store(o, S::add(S::load(o), a[j][p][h]));
+            }
         }
     }
 }
 
-/// `e^x` for `x <= 0` to ~2e-7 relative, branch-free so the softmax loop vectorizes.
+/// [`v_tile`] for the single vector column `c` (dense rows with an odd number of vectors).
+#[inline(always)]
+unsafe fn v_col<S: Simd, R: Rows<S>, const NJ: usize>(
+    v: &R,
+    tile: &Tile,
+    sh: Shape,
+    j0: usize,
+    c: usize,
+    acc: &mut [f32],
+) {
+    let gv = sh.group / S::LANES;
+    let mut a = [S::zero(); NJ];
+    let w: [*const f32; NJ] = std::array::from_fn(|j| tile.weight(R::AFFINE, j0 + j, c / gv, 0));
+    for (t, &row) in tile.rows.iter().enumerate() {
+        let x = v.vec(row, c);
+        for j in 0..NJ {
+            a[j] = S::fma(S::splat(*w[j].add(t)), x, a[j]);
+        }
+    }
+    for (j, a) in a.iter().enumerate() {
+        let o = acc.as_mut_ptr().add((j0 + j) * sh.head_dim + S::LANES * c);
+        S::store(o, S::add(S::load(o), *a));
+    }
+}
+
+/// `e^x` for `x <= 0` to ~2e-7 relative, branch-free and with integer-only exponent arithmetic
+/// (a float-to-int `as` cast saturates and checks NaN, which keeps the loop scalar), so the
+/// softmax loop vectorizes.
 #[inline(always)]
 fn exp_neg(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: add/sub rounds to an integer
     let x = x.max(-87.0);
-    let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
+    let big = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = big - MAGIC;
     let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    // `big`'s low mantissa bits hold n (in -126..=0) offset by 2^22: 2^n from them directly.
+    let ni = big.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    p * f32::from_bits(((ni + 127) << 23) as u32)
 }
 
 /// Turns `scores` (`[G, n]`) into `exp(score - max)` in place, writing per-head max and sum.
 #[inline(always)]
 fn softmax_rows(scores: &mut [f32], n: usize, m: &mut [f32], l: &mut [f32]) {
     for (j, row) in scores.chunks_exact_mut(n).enumerate() {
-        // Eight partial reductions: one running value would keep these loops scalar.
-        let mut part = [f32::NEG_INFINITY; 8];
-        let mut mx = f32::NEG_INFINITY;
-        for c in row.chunks(8) {
+        // Sixteen partial reductions over exact chunks: one running value, or partial chunks
+        // inside the loop, keep these loops scalar.
+        let mut part = [f32::NEG_INFINITY; 16];
+        let chunks = row.chunks_exact(16);
+        for (p, &x) in part.iter_mut().zip(chunks.remainder()) {
+            *p = x;
+        }
+        for c in chunks {
             for (p, &x) in part.iter_mut().zip(c) {
-                *p = p.max(x);
+                // A compare and select (`f32::max` also orders NaN, which does not vectorize).
+                *p = if x > *p { x } else { *p };
             }
         }
-        for p in part {
-            mx = mx.max(p);
-        }
+        let mx = part.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         for x in row.iter_mut() {
             *x = exp_neg(*x - mx);
         }
-        let mut part = [0f32; 8];
-        for c in row.chunks(8) {
-            for (p, x) in part.iter_mut().zip(c) {
-                *p += x;
-            }
-        }
         m[j] = mx;
-        l[j] = part.iter().sum();
+        l[j] = sum(row);
+    }
+}
+
+/// `Σ x_i` with sixteen partial sums (vectorizes; fixed order, so deterministic).
+#[inline(always)]
+fn sum(x: &[f32]) -> f32 {
+    let mut part = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    for (p, &x) in part.iter_mut().zip(chunks.remainder()) {
+        *p = x;
+    }
+    for c in chunks {
+        for (p, &x) in part.iter_mut().zip(c) {
+            *p += x;
+        }
+    }
+    part.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_neg;
+
+    /// The integer-exponent `exp` agrees with the library's to its stated accuracy over the
+    /// whole clamped range, down to where results become subnormal.
+    #[test]
+    fn exp_neg_matches_std() {
+        let mut x = 0f32;
+        while x > -87.0 {
+            let (got, want) = (exp_neg(x), x.exp());
+            assert!(
+                (got - want).abs() <= 4e-7 * want,
+                "exp({x}): {got} vs {want}"
+            );
+            x -= 0.0137;
+        }
+        assert_eq!(exp_neg(0.0), 1.0);
     }
 }

@@ -21,6 +21,15 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn hsum4(a: [Self::V; 4]) -> [f32; 4] {
         a.map(|x| Self::hsum(x))
     }
+    /// Eight horizontal sums at once.
+    #[inline(always)]
+    unsafe fn hsum8(a: [Self::V; 8]) -> [f32; 8] {
+        let (x, y) = (
+            Self::hsum4([a[0], a[1], a[2], a[3]]),
+            Self::hsum4([a[4], a[5], a[6], a[7]]),
+        );
+        [x[0], x[1], x[2], x[3], y[0], y[1], y[2], y[3]]
+    }
     /// One f16 value (as bits) as f32.
     unsafe fn half(h: u16) -> f32;
     /// `LANES` f16 values (as bits) widened to f32.
@@ -31,6 +40,15 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     /// as f32, lane `l` holding value [`element`]`(B, LANES, v, l)`. Reads only inside the
     /// `words` words.
     unsafe fn codes<const B: u32>(row: *const u32, words: usize, v: usize) -> Self::V;
+    /// Vectors `2u` and `2u + 1` of [`Simd::codes`]: the kernel walks rows in pairs of vectors,
+    /// and for 4-bit codes the pair is one load (low and high nibbles of the same bytes).
+    #[inline(always)]
+    unsafe fn code_pair<const B: u32>(row: *const u32, words: usize, u: usize) -> [Self::V; 2] {
+        [
+            Self::codes::<B>(row, words, 2 * u),
+            Self::codes::<B>(row, words, 2 * u + 1),
+        ]
+    }
     /// Asks for the cache line holding `p` (a hint: any address is fine).
     unsafe fn prefetch(p: *const u8);
 }

@@ -172,6 +172,11 @@ impl Simd for Avx512 {
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn splat_f16(h: u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn load_f16(p: *const u16) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }

@@ -4,8 +4,9 @@
 //! The kernel is bound by instructions, not bytes or multiply-adds, so each pass is shaped to
 //! keep per-row scalar work and loads per multiply-add low:
 //!
-//! - Parameter pass (quantized rows): the task's scales and biases are widened to f32 once, into
-//!   per-group arrays, instead of one scalar conversion per use.
+//! - Parameter pass (quantized rows): the task's V scales and biases are widened to f32 once,
+//!   into per-group arrays over positions (the V pass uses them vectorized); K's are broadcast
+//!   and widened where the K pass uses them.
 //! - K pass, two rows at a time, vectors in pairs (one load for the two nibble vectors of 4-bit
 //!   codes): K is rebuilt in registers, `x̂ = code·scale + bias` (one multiply-add per vector,
 //!   shared by all query heads), and each query vector load feeds both rows.
@@ -46,8 +47,11 @@ pub(super) trait Rows<S: Simd>: Sync {
     unsafe fn pair(&self, row: usize, u: usize) -> [S::V; 2] {
         [self.vec(row, 2 * u), self.vec(row, 2 * u + 1)]
     }
-    /// Scale and bias of group `g` of `slot` (dense rows: 1 and 0). Safety: the CPU supports `S`.
+    /// Scale and bias of group `g` of `slot` (dense rows: 1 and 0). Safety: `slot` lies inside
+    /// the pool, `g` < groups of a head, and the CPU supports `S`.
     unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32);
+    /// [`Rows::scale_bias`] in every lane (one broadcast and widen each). Safety: as it.
+    unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V);
     /// Starts loading `slot`'s row of this head (values or codes) into cache.
     fn prefetch(&self, slot: usize);
     /// Starts loading `slot`'s scales and biases of this head into cache (dense rows: nothing).
@@ -93,6 +97,10 @@ impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
         (1.0, 0.0)
     }
     #[inline(always)]
+    unsafe fn scale_bias_splat(&self, _: usize, _: usize) -> (S::V, S::V) {
+        (S::splat(1.0), S::zero())
+    }
+    #[inline(always)]
     fn prefetch(&self, slot: usize) {
         prefetch_span::<S, T>(self.data, <Self as Rows<S>>::row(self, slot), self.head_len);
     }
@@ -134,7 +142,14 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     #[inline(always)]
     unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32) {
         let i = slot * self.row_groups + self.head_group + g;
-        (self.scales[i].to_f32::<S>(), self.biases[i].to_f32::<S>())
+        let (s, b) = (self.scales.get_unchecked(i), self.biases.get_unchecked(i));
+        (s.to_f32::<S>(), b.to_f32::<S>())
+    }
+    #[inline(always)]
+    unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V) {
+        let i = slot * self.row_groups + self.head_group + g;
+        let (s, b) = (self.scales.get_unchecked(i), self.biases.get_unchecked(i));
+        (s.splat::<S>(), b.splat::<S>())
     }
     #[inline(always)]
     fn prefetch(&self, slot: usize) {
@@ -163,7 +178,7 @@ pub(super) struct Shape {
 #[derive(Default)]
 pub(super) struct Scratch {
     scores: Vec<f32>,
-    /// Quantized rows: K scales, K biases, V scales, V biases of the task, each `[groups, n]`.
+    /// Quantized rows: V scales and V biases of the task, each `[groups, n]`.
     params: Vec<f32>,
     /// Softmax weights times V scales of one tile, `[G, groups, TILE]`.
     weights: Vec<f32>,
@@ -196,21 +211,19 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     let (g, hd) = (sh.g, sh.head_dim);
     let ng = hd / sh.group;
     let n = slots.len();
+    // V scales and biases, `[groups, n]` each: the V pass needs them as arrays over positions.
+    // (K's are broadcast straight from the pool in the K pass.)
     let params: &[f32] = if R::AFFINE {
-        let p = sized(&mut scratch.params, 4 * ng * n);
+        let p = sized(&mut scratch.params, 2 * ng * n);
         for (t, &s) in slots.iter().enumerate() {
             if let Some(&ahead) = slots.get(t + PREFETCH) {
                 k.prefetch_params(ahead as usize);
                 v.prefetch_params(ahead as usize);
             }
             for gi in 0..ng {
-                let (ks, kb) = k.scale_bias(s as usize, gi);
                 let (vs, vb) = v.scale_bias(s as usize, gi);
-                let at = gi * n + t;
-                *p.get_unchecked_mut(at) = ks;
-                *p.get_unchecked_mut(ng * n + at) = kb;
-                *p.get_unchecked_mut(2 * ng * n + at) = vs;
-                *p.get_unchecked_mut(3 * ng * n + at) = vb;
+                *p.get_unchecked_mut(gi * n + t) = vs;
+                *p.get_unchecked_mut((ng + gi) * n + t) = vb;
             }
         }
         p
@@ -223,10 +236,10 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     let mut j0 = 0;
     while j0 < g {
         match g - j0 {
-            1 => k_pass::<S, R, 1>(k, v, q, slots, sh, params, j0, scores),
-            2 => k_pass::<S, R, 2>(k, v, q, slots, sh, params, j0, scores),
-            3 => k_pass::<S, R, 3>(k, v, q, slots, sh, params, j0, scores),
-            _ => k_pass::<S, R, 4>(k, v, q, slots, sh, params, j0, scores),
+            1 => k_pass::<S, R, 1>(k, v, q, slots, sh, j0, scores),
+            2 => k_pass::<S, R, 2>(k, v, q, slots, sh, j0, scores),
+            3 => k_pass::<S, R, 3>(k, v, q, slots, sh, j0, scores),
+            _ => k_pass::<S, R, 4>(k, v, q, slots, sh, j0, scores),
         }
         j0 += 4;
     }
@@ -246,7 +259,7 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
             rows.push(v.row(s as usize));
         }
         if R::AFFINE {
-            let vs = &params[2 * ng * n..3 * ng * n];
+            let vs = &params[..ng * n];
             for j in 0..g {
                 let p = &scores[j * n + t0..][..tile.len()];
                 for gi in 0..ng {
@@ -278,7 +291,7 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     }
     if R::AFFINE {
         // Σ_t p_t b_t per (head, group), added to every value of the group.
-        let vb = &params[3 * ng * n..];
+        let vb = &params[ng * n..];
         for j in 0..g {
             let p = &scores[j * n..][..n];
             for gi in 0..ng {
@@ -308,8 +321,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     part.iter().sum()
 }
 
-/// Scores of query heads `j0..j0+NJ` against every row: `scores[j * n + t]`. `params` holds
-/// the K scales and biases (`[groups, n]` each) of quantized rows.
+/// Scores of query heads `j0..j0+NJ` against every row: `scores[j * n + t]`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn k_pass<S: Simd, R: Rows<S>, const NJ: usize>(
@@ -318,7 +330,6 @@ unsafe fn k_pass<S: Simd, R: Rows<S>, const NJ: usize>(
     q: &[f32],
     slots: &[u32],
     sh: Shape,
-    params: &[f32],
     j0: usize,
     scores: &mut [f32],
 ) {
@@ -337,10 +348,10 @@ unsafe fn k_pass<S: Simd, R: Rows<S>, const NJ: usize>(
             }
         }
         if t + 1 < n {
-            k_rows::<S, R, NJ, 2>(k, qp, slots, sh, params, t, j0, scores);
+            k_rows::<S, R, NJ, 2>(k, qp, slots, sh, t, j0, scores);
             t += 2;
         } else {
-            k_rows::<S, R, NJ, 1>(k, qp, slots, sh, params, t, j0, scores);
+            k_rows::<S, R, NJ, 1>(k, qp, slots, sh, t, j0, scores);
             t += 1;
         }
     }
@@ -354,22 +365,20 @@ unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
     qp: *const f32,
     slots: &[u32],
     sh: Shape,
-    params: &[f32],
     t: usize,
     j0: usize,
     scores: &mut [f32],
 ) {
     let (hd, n) = (sh.head_dim, slots.len());
     let (gv, ng) = (sh.group / S::LANES, hd / sh.group);
-    let rows: [usize; RW] = std::array::from_fn(|r| k.row(*slots.get_unchecked(t + r) as usize));
+    let slot: [usize; RW] = std::array::from_fn(|r| *slots.get_unchecked(t + r) as usize);
+    let rows: [usize; RW] = std::array::from_fn(|r| k.row(slot[r]));
     let mut a = [[S::zero(); NJ]; RW];
     for gi in 0..ng {
         let (mut sc, mut bi) = ([S::zero(); RW], [S::zero(); RW]);
         if R::AFFINE {
-            let at = gi * n + t;
             for r in 0..RW {
-                sc[r] = S::splat(*params.get_unchecked(at + r));
-                bi[r] = S::splat(*params.get_unchecked(ng * n + at + r));
+                (sc[r], bi[r]) = k.scale_bias_splat(slot[r], gi);
             }
         }
         let v0 = gi * gv;

@@ -32,6 +32,11 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     }
     /// One f16 value (as bits) as f32.
     unsafe fn half(h: u16) -> f32;
+    /// One f16 value (as bits) widened into every lane.
+    #[inline(always)]
+    unsafe fn splat_f16(h: u16) -> Self::V {
+        Self::splat(Self::half(h))
+    }
     /// `LANES` f16 values (as bits) widened to f32.
     unsafe fn load_f16(p: *const u16) -> Self::V;
     /// `LANES` bf16 values (as bits) widened to f32.

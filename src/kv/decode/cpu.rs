@@ -1,11 +1,10 @@
 //! The fused CPU decode kernel.
 //!
-//! Work is split into tasks of (sequence, position chunk, KV head), run with rayon; each task
-//! returns the softmax max, sum and weighted V of its positions for the `G` query heads of its
-//! KV head ([`kernel`] says how a task reads K and V), and the partial states of one
-//! (sequence, KV head) are merged at the end. Tasks are ordered chunk-major so that the KV heads
-//! of one chunk run back to back on a thread and share the cache lines of scales and biases
-//! (a slot's groups of all heads sit together). The chunk length adapts to each sequence's own
+//! Work is split into tasks of (sequence, position chunk), run with rayon; each task returns,
+//! for every KV head, the softmax max, sum and weighted V of its positions for the `G` query
+//! heads of that KV head ([`kernel`] says how a task reads K and V: all heads of a slot row
+//! together, since they sit side by side), and the partial states of one (sequence, KV head)
+//! are merged at the end, in chunk order. The chunk length adapts to each sequence's own
 //! length (never to the batch: [`chunk_len`]): long enough to amortise a task, short enough
 //! that a single long sequence still gives several threads work.
 //!
@@ -194,18 +193,15 @@ impl<R: Rows<Portable>> AnyRows for R {}
 #[derive(Clone, Copy)]
 struct Task {
     b: usize,
-    kh: usize,
     p0: usize,
     p1: usize,
 }
 
-/// Tasks in (sequence, chunk, KV head) order, and where each sequence's tasks begin.
+/// Tasks in (sequence, chunk) order, and where each sequence's tasks begin.
 struct Plan {
     tasks: Vec<Task>,
     /// Per sequence: index of its first task and its number of chunks.
     seqs: Vec<(usize, usize)>,
-    /// Tasks per chunk.
-    kv_heads: usize,
 }
 
 fn plan(d: &Dims, t: &Tables) -> Plan {
@@ -218,15 +214,14 @@ fn plan(d: &Dims, t: &Tables) -> Plan {
         seqs.push((tasks.len(), nc));
         for c in 0..nc {
             let p0 = s + c * chunk;
-            let p1 = (p0 + chunk).min(l);
-            tasks.extend((0..d.kv_heads).map(|kh| Task { b, kh, p0, p1 }));
+            tasks.push(Task {
+                b,
+                p0,
+                p1: (p0 + chunk).min(l),
+            });
         }
     }
-    Plan {
-        tasks,
-        seqs,
-        kv_heads: d.kv_heads,
-    }
+    Plan { tasks, seqs }
 }
 
 thread_local! {
@@ -242,7 +237,7 @@ fn run<R: AnyRows>(
     t: &Tables,
     group: usize,
     isa: Isa,
-    views: impl Fn(usize) -> (R, R) + Sync,
+    views: impl Fn(usize) -> (R, R),
 ) -> Vec<f32> {
     let (g, hd) = (d.group, d.head_dim);
     let sh = Shape {
@@ -250,27 +245,28 @@ fn run<R: AnyRows>(
         head_dim: hd,
         group,
     };
+    let heads: Vec<(R, R)> = (0..d.kv_heads).map(views).collect();
+    // Per task and KV head: [max (G) | sum (G) | weighted V (G × head_dim)].
     let stride = 2 * g + g * hd;
-    let mut parts = vec![0f32; plan.tasks.len() * stride];
+    let mut parts = vec![0f32; plan.tasks.len() * d.kv_heads * stride];
     parts
-        .par_chunks_mut(stride)
+        .par_chunks_mut(d.kv_heads * stride)
         .zip(plan.tasks.par_iter())
         .for_each(|(out, task)| {
             SCRATCH.with_borrow_mut(|(scratch, slots)| {
                 fill_slots(slots, d, t, task);
-                let (k, v) = views(task.kh);
-                let qh = &q[(task.b * d.heads + task.kh * g) * hd..][..g * hd];
+                let qb = &q[task.b * d.heads * hd..][..d.heads * hd];
                 // SAFETY: `read_tables` checked every slot against the pool and `decode` that
                 // the views span it; head_dim and group are multiples of the lanes (checked by
                 // `Isa::best` and the format); an ISA only after its detection.
                 unsafe {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => task_avx512(&k, &v, qh, slots, sh, scratch, out),
+                        Isa::Avx512 => task_avx512(&heads, qb, slots, sh, scratch, out),
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => task_avx2(&k, &v, qh, slots, sh, scratch, out),
+                        Isa::Avx2 => task_avx2(&heads, qb, slots, sh, scratch, out),
                         Isa::Portable => {
-                            kernel::task::<Portable, R>(&k, &v, qh, slots, sh, scratch, out)
+                            kernel::task::<Portable, R>(&heads, qb, slots, sh, scratch, out)
                         }
                     }
                 }
@@ -281,6 +277,7 @@ fn run<R: AnyRows>(
         merge(
             plan,
             &parts,
+            d.kv_heads,
             stride,
             g,
             hd,
@@ -295,29 +292,27 @@ fn run<R: AnyRows>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn task_avx512<R: Rows<avx512::Avx512>>(
-    k: &R,
-    v: &R,
+    heads: &[(R, R)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    kernel::task::<avx512::Avx512, R>(k, v, q, slots, sh, scratch, out)
+    kernel::task::<avx512::Avx512, R>(heads, q, slots, sh, scratch, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn task_avx2<R: Rows<avx2::Avx2>>(
-    k: &R,
-    v: &R,
+    heads: &[(R, R)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    kernel::task::<avx2::Avx2, R>(k, v, q, slots, sh, scratch, out)
+    kernel::task::<avx2::Avx2, R>(heads, q, slots, sh, scratch, out)
 }
 
 /// Pool slots of the task's positions, walking its block table.
@@ -339,6 +334,7 @@ fn fill_slots(slots: &mut Vec<u32>, d: &Dims, t: &Tables, task: &Task) {
 fn merge(
     plan: &Plan,
     parts: &[f32],
+    kv_heads: usize,
     stride: usize,
     g: usize,
     hd: usize,
@@ -347,7 +343,7 @@ fn merge(
     o: &mut [f32],
 ) {
     let (first, nc) = plan.seqs[b];
-    let part = |c: usize| &parts[(first + c * plan.kv_heads + kh) * stride..][..stride];
+    let part = |c: usize| &parts[((first + c) * kv_heads + kh) * stride..][..stride];
     for j in 0..g {
         let m = (0..nc)
             .map(|c| part(c)[j])
@@ -453,7 +449,6 @@ fn decode_with(
                             data,
                             stride: width,
                             head: kh * d.head_dim,
-                            head_len: d.head_dim,
                         };
                         (view(kd), view(vd))
                     })
@@ -510,7 +505,6 @@ fn decode_with(
                             head_words,
                             row_groups,
                             head_group: kh * ng,
-                            head_groups: ng,
                         };
                         (view(kc, ks, kb), view(vc, vs, vb))
                     })

@@ -25,10 +25,10 @@ use super::Elem;
 /// Positions per V tile: the tile's rows stay in L1 while every column of the head is summed.
 pub(super) const TILE: usize = 32;
 
-/// How many rows ahead the K pass prefetches. A head's slice of a slot is a short piece of a
-/// long row, so hardware prefetchers see a strided, block-shuffled pattern; without explicit
-/// prefetches the kernel waits on memory latency instead of bandwidth.
-const PREFETCH: usize = 16;
+/// How many positions ahead the K pass prefetches slot rows. Blocks are shuffled, so hardware
+/// prefetchers lose the stream at every block boundary; without explicit prefetches the kernel
+/// waits on memory latency instead of bandwidth (twice as slow, measured).
+const PREFETCH: usize = 8;
 
 /// One (KV head, K or V) view of a layer's pool: where a slot's row starts and how to decode it.
 pub(super) trait Rows<S: Simd>: Sync {
@@ -52,9 +52,10 @@ pub(super) trait Rows<S: Simd>: Sync {
     unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32);
     /// [`Rows::scale_bias`] in every lane (one broadcast and widen each). Safety: as it.
     unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V);
-    /// Starts loading `slot`'s row of this head (values or codes) into cache.
+    /// Starts loading `slot`'s values or codes, of every KV head, into cache.
     fn prefetch(&self, slot: usize);
-    /// Starts loading `slot`'s scales and biases of this head into cache (dense rows: nothing).
+    /// Starts loading `slot`'s scales and biases, of every KV head, into cache (dense rows:
+    /// nothing).
     fn prefetch_params(&self, slot: usize);
 }
 
@@ -77,9 +78,8 @@ pub(super) struct DenseRows<'a, T> {
     pub data: &'a [T],
     /// Values per slot (all KV heads).
     pub stride: usize,
-    /// Offset of this KV head inside a slot's row, and its number of values.
+    /// Offset of this KV head inside a slot's row.
     pub head: usize,
-    pub head_len: usize,
 }
 
 impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
@@ -102,7 +102,7 @@ impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
     }
     #[inline(always)]
     fn prefetch(&self, slot: usize) {
-        prefetch_span::<S, T>(self.data, <Self as Rows<S>>::row(self, slot), self.head_len);
+        prefetch_span::<S, T>(self.data, slot * self.stride, self.stride);
     }
     #[inline(always)]
     fn prefetch_params(&self, _: usize) {}
@@ -121,8 +121,6 @@ pub(super) struct AffineRows<'a, T, const B: u32> {
     /// Groups per slot and this head's first group in a slot.
     pub row_groups: usize,
     pub head_group: usize,
-    /// Groups of one head's row.
-    pub head_groups: usize,
 }
 
 impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
@@ -153,14 +151,13 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     }
     #[inline(always)]
     fn prefetch(&self, slot: usize) {
-        let row = <Self as Rows<S>>::row(self, slot);
-        prefetch_span::<S, u32>(self.codes, row, self.head_words);
+        prefetch_span::<S, u32>(self.codes, slot * self.row_words, self.row_words);
     }
     #[inline(always)]
     fn prefetch_params(&self, slot: usize) {
-        let i = slot * self.row_groups + self.head_group;
-        prefetch_span::<S, T>(self.scales, i, self.head_groups);
-        prefetch_span::<S, T>(self.biases, i, self.head_groups);
+        let i = slot * self.row_groups;
+        prefetch_span::<S, T>(self.scales, i, self.row_groups);
+        prefetch_span::<S, T>(self.biases, i, self.row_groups);
     }
 }
 
@@ -178,11 +175,18 @@ pub(super) struct Shape {
 #[derive(Default)]
 pub(super) struct Scratch {
     scores: Vec<f32>,
-    /// Quantized rows: V scales and V biases of the task, each `[groups, n]`.
+    /// Quantized rows: V scales and V biases of the task, `[KV head, 2, groups, n]`.
     params: Vec<f32>,
     /// Softmax weights times V scales of one tile, `[G, groups, TILE]`.
     weights: Vec<f32>,
     rows: Vec<usize>,
+}
+
+/// Distance between the per-(head, group) arrays over a task's `n` positions: a multiple of 16
+/// plus 16, so the many arrays written side by side (scores of every query head, parameters of
+/// every head) do not all start at the same offset modulo 4 KiB and fight over one L1 set.
+fn pitch(n: usize) -> usize {
+    n.next_multiple_of(16) + 16
 }
 
 fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -191,113 +195,126 @@ fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v
 }
 
-/// Runs one task: `q` is `[G, head_dim]` (scaled, in the rows' decoded order), `slots` the pool
-/// slots of the task's positions. Writes `out = [max (G) | sum (G) | weighted V (G × head_dim)]`,
-/// the weighted V in decoded order.
+/// Runs one task: positions `slots` (pool slots) of one sequence for every KV head. `heads[kh]`
+/// views KV head `kh`'s K and V rows; `q` is `[KV heads · G, head_dim]` (scaled, in the rows'
+/// decoded order). Writes, per KV head, `[max (G) | sum (G) | weighted V (G × head_dim)]` into
+/// `out` (in decoded order).
 ///
-/// Safety: every slot lies inside the pools of `k` and `v`, `head_dim % group == 0`,
+/// All heads share a task so that each slot's row — every head's values side by side — is read
+/// once, front to back, and its cache lines are prefetched once; per-position bookkeeping
+/// (slot, row offsets, prefetches) is shared by all heads.
+///
+/// Safety: every slot lies inside the pools of the views, `head_dim % group == 0`,
 /// `group % (2 · S::LANES) == 0` for quantized rows, `head_dim % S::LANES == 0`, and the CPU
 /// supports `S`.
 #[inline(always)]
 pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
-    k: &R,
-    v: &R,
+    heads: &[(R, R)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    let (g, hd) = (sh.g, sh.head_dim);
+    let (g, hd, kvh) = (sh.g, sh.head_dim, heads.len());
     let ng = hd / sh.group;
     let n = slots.len();
-    // V scales and biases, `[groups, n]` each: the V pass needs them as arrays over positions.
-    // (K's are broadcast straight from the pool in the K pass.)
+    let np = pitch(n);
+    let stride = 2 * g + g * hd;
+    let (k0, v0) = &heads[0];
+    // V scales and biases, `[KV head, 2, groups, n]`: the V pass needs them as arrays over
+    // positions. (K's are broadcast straight from the pool in the K pass.)
     let params: &[f32] = if R::AFFINE {
-        let p = sized(&mut scratch.params, 2 * ng * n);
+        let p = sized(&mut scratch.params, kvh * 2 * ng * np);
         for (t, &s) in slots.iter().enumerate() {
             if let Some(&ahead) = slots.get(t + PREFETCH) {
-                k.prefetch_params(ahead as usize);
-                v.prefetch_params(ahead as usize);
+                k0.prefetch_params(ahead as usize);
+                v0.prefetch_params(ahead as usize);
             }
-            for gi in 0..ng {
-                let (vs, vb) = v.scale_bias(s as usize, gi);
-                *p.get_unchecked_mut(gi * n + t) = vs;
-                *p.get_unchecked_mut((ng + gi) * n + t) = vb;
+            for (kh, (_, v)) in heads.iter().enumerate() {
+                let at = kh * 2 * ng * np + t;
+                for gi in 0..ng {
+                    let (vs, vb) = v.scale_bias(s as usize, gi);
+                    *p.get_unchecked_mut(at + gi * np) = vs;
+                    *p.get_unchecked_mut(at + (ng + gi) * np) = vb;
+                }
             }
         }
         p
     } else {
         &[]
     };
-    let scores = sized(&mut scratch.scores, g * n);
-    // Loops, not closures, around the vector code: a closure does not inherit the caller's
-    // target features, so the vector operations inside it would not inline.
-    let mut j0 = 0;
-    while j0 < g {
-        match g - j0 {
-            1 => k_pass::<S, R, 1>(k, v, q, slots, sh, j0, scores),
-            2 => k_pass::<S, R, 2>(k, v, q, slots, sh, j0, scores),
-            3 => k_pass::<S, R, 3>(k, v, q, slots, sh, j0, scores),
-            _ => k_pass::<S, R, 4>(k, v, q, slots, sh, j0, scores),
-        }
-        j0 += 4;
+    let scores = sized(&mut scratch.scores, kvh * g * np);
+    k_pass(heads, q, slots, sh, scores);
+    for (o, sc) in out
+        .chunks_exact_mut(stride)
+        .zip(scores.chunks_exact_mut(g * np))
+    {
+        let (m, rest) = o.split_at_mut(g);
+        let (l, acc) = rest.split_at_mut(g);
+        softmax_rows(sc, n, np, m, l);
+        acc.fill(0.0);
     }
-    let (m, rest) = out.split_at_mut(g);
-    let (l, acc) = rest.split_at_mut(g);
-    softmax_rows(scores, n, m, l);
-    acc.fill(0.0);
     let weights = sized(&mut scratch.weights, g * ng * TILE);
     let rows = &mut scratch.rows;
     for (ti, tile) in slots.chunks(TILE).enumerate() {
         let t0 = ti * TILE;
-        rows.clear();
-        for (t, &s) in tile.iter().enumerate() {
-            if let Some(&next) = slots.get(t0 + TILE + t) {
-                v.prefetch(next as usize);
+        let next = slots.get(t0 + TILE..).unwrap_or(&[]);
+        for (kh, (_, v)) in heads.iter().enumerate() {
+            // The next tile's rows, a share per head so the requests spread over the tile.
+            for &s in next.iter().take(TILE).skip(kh).step_by(kvh) {
+                v0.prefetch(s as usize);
             }
-            rows.push(v.row(s as usize));
-        }
-        if R::AFFINE {
-            let vs = &params[..ng * n];
-            for j in 0..g {
-                let p = &scores[j * n + t0..][..tile.len()];
-                for gi in 0..ng {
-                    let w = &mut weights[(j * ng + gi) * TILE..][..tile.len()];
-                    for ((w, p), s) in w.iter_mut().zip(p).zip(&vs[gi * n + t0..]) {
-                        *w = p * s;
+            rows.clear();
+            rows.extend(tile.iter().map(|&s| v.row(s as usize)));
+            let sc = &scores[kh * g * np..][..g * np];
+            if R::AFFINE {
+                let vs = &params[kh * 2 * ng * np..][..ng * np];
+                for j in 0..g {
+                    let p = &sc[j * np + t0..][..tile.len()];
+                    for gi in 0..ng {
+                        let w = &mut weights[(j * ng + gi) * TILE..][..tile.len()];
+                        for ((w, p), s) in w.iter_mut().zip(p).zip(&vs[gi * np + t0..]) {
+                            *w = p * s;
+                        }
                     }
                 }
             }
-        }
-        let tile = Tile {
-            rows,
-            weights,
-            ng,
-            scores,
-            n,
-            t0,
-        };
-        let mut j0 = 0;
-        while j0 < g {
-            match g - j0 {
-                1 => v_tile::<S, R, 1>(v, &tile, sh, j0, acc),
-                2 => v_tile::<S, R, 2>(v, &tile, sh, j0, acc),
-                3 => v_tile::<S, R, 3>(v, &tile, sh, j0, acc),
-                _ => v_tile::<S, R, 4>(v, &tile, sh, j0, acc),
+            let tile = Tile {
+                rows,
+                weights,
+                ng,
+                scores: sc,
+                pitch: np,
+                t0,
+            };
+            let acc = &mut out[kh * stride + 2 * g..][..g * hd];
+            // Loops, not closures, around the vector code: a closure does not inherit the
+            // caller's target features, so the vector operations inside would not inline.
+            let mut j0 = 0;
+            while j0 < g {
+                match g - j0 {
+                    1 => v_tile::<S, R, 1>(v, &tile, sh, j0, acc),
+                    2 => v_tile::<S, R, 2>(v, &tile, sh, j0, acc),
+                    3 => v_tile::<S, R, 3>(v, &tile, sh, j0, acc),
+                    _ => v_tile::<S, R, 4>(v, &tile, sh, j0, acc),
+                }
+                j0 += 4;
             }
-            j0 += 4;
         }
     }
     if R::AFFINE {
-        // Σ_t p_t b_t per (head, group), added to every value of the group.
-        let vb = &params[ng * n..];
-        for j in 0..g {
-            let p = &scores[j * n..][..n];
-            for gi in 0..ng {
-                let bias = dot(p, &vb[gi * n..][..n]);
-                for x in &mut acc[j * hd + gi * sh.group..][..sh.group] {
-                    *x += bias;
+        // Σ_t p_t b_t per (query head, group), added to every value of the group.
+        for kh in 0..kvh {
+            let vb = &params[(kh * 2 + 1) * ng * np..][..ng * np];
+            let acc = &mut out[kh * stride + 2 * g..][..g * hd];
+            for j in 0..g {
+                let p = &scores[(kh * g + j) * np..][..n];
+                for gi in 0..ng {
+                    let bias = dot(p, &vb[gi * np..][..n]);
+                    for x in &mut acc[j * hd + gi * sh.group..][..sh.group] {
+                        *x += bias;
+                    }
                 }
             }
         }
@@ -321,38 +338,61 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     part.iter().sum()
 }
 
-/// Scores of query heads `j0..j0+NJ` against every row: `scores[j * n + t]`.
-#[allow(clippy::too_many_arguments)]
+/// Scores of every query head against every row, `scores[(kh · G + j) · pitch + t]`: rows two at
+/// a time, every KV head of a row pair before the next pair (so slot rows are read in order).
 #[inline(always)]
-unsafe fn k_pass<S: Simd, R: Rows<S>, const NJ: usize>(
-    k: &R,
-    v: &R,
+unsafe fn k_pass<S: Simd, R: Rows<S>>(
+    heads: &[(R, R)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
-    j0: usize,
     scores: &mut [f32],
 ) {
     let n = slots.len();
-    let qp = q.as_ptr().add(j0 * sh.head_dim);
+    let (k0, v0) = &heads[0];
     let mut t = 0;
     while t < n {
-        if j0 == 0 {
-            // Rows PREFETCH ahead; past the end, the first V rows.
-            for ahead in t + PREFETCH..(t + PREFETCH + 2).min(2 * n) {
-                if ahead < n {
-                    k.prefetch(slots[ahead] as usize);
-                } else {
-                    v.prefetch(slots[ahead - n] as usize);
-                }
+        // Rows PREFETCH ahead; past the end, the first V rows.
+        for ahead in t + PREFETCH..(t + PREFETCH + 2).min(2 * n) {
+            if ahead < n {
+                k0.prefetch(slots[ahead] as usize);
+            } else {
+                v0.prefetch(slots[ahead - n] as usize);
             }
         }
         if t + 1 < n {
-            k_rows::<S, R, NJ, 2>(k, qp, slots, sh, t, j0, scores);
+            k_heads::<S, R, 2>(heads, q, slots, sh, t, scores);
             t += 2;
         } else {
-            k_rows::<S, R, NJ, 1>(k, qp, slots, sh, t, j0, scores);
+            k_heads::<S, R, 1>(heads, q, slots, sh, t, scores);
             t += 1;
+        }
+    }
+}
+
+/// [`k_rows`] of rows `t..t+RW` for every KV head and query head.
+#[inline(always)]
+unsafe fn k_heads<S: Simd, R: Rows<S>, const RW: usize>(
+    heads: &[(R, R)],
+    q: &[f32],
+    slots: &[u32],
+    sh: Shape,
+    t: usize,
+    scores: &mut [f32],
+) {
+    let (g, np, hd) = (sh.g, pitch(slots.len()), sh.head_dim);
+    for (kh, (k, _)) in heads.iter().enumerate() {
+        let sc = scores.get_unchecked_mut(kh * g * np..(kh + 1) * g * np);
+        let mut j0 = 0;
+        while j0 < g {
+            let qp = q.as_ptr().add((kh * g + j0) * hd);
+            match g - j0 {
+                1 => k_rows::<S, R, 1, RW>(k, qp, slots, sh, t, j0, sc),
+                2 => k_rows::<S, R, 2, RW>(k, qp, slots, sh, t, j0, sc),
+                3 => k_rows::<S, R, 3, RW>(k, qp, slots, sh, t, j0, sc),
+                _ => k_rows::<S, R, 4, RW>(k, qp, slots, sh, t, j0, sc),
+            }
+            j0 += 4;
         }
     }
 }
@@ -369,7 +409,7 @@ unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
     j0: usize,
     scores: &mut [f32],
 ) {
-    let (hd, n) = (sh.head_dim, slots.len());
+    let (hd, np) = (sh.head_dim, pitch(slots.len()));
     let (gv, ng) = (sh.group / S::LANES, hd / sh.group);
     let slot: [usize; RW] = std::array::from_fn(|r| *slots.get_unchecked(t + r) as usize);
     let rows: [usize; RW] = std::array::from_fn(|r| k.row(slot[r]));
@@ -426,15 +466,15 @@ unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
             v(1, 3),
         ]);
         for j in 0..4 {
-            *scores.get_unchecked_mut((j0 + j) * n + t) = s[j];
-            *scores.get_unchecked_mut((j0 + j) * n + t + 1) = s[4 + j];
+            *scores.get_unchecked_mut((j0 + j) * np + t) = s[j];
+            *scores.get_unchecked_mut((j0 + j) * np + t + 1) = s[4 + j];
         }
         return;
     }
     for r in 0..RW {
         let sums = hsums::<S, NJ>(&a[r]);
         for j in 0..NJ {
-            *scores.get_unchecked_mut((j0 + j) * n + t + r) = sums[j];
+            *scores.get_unchecked_mut((j0 + j) * np + t + r) = sums[j];
         }
     }
 }
@@ -464,7 +504,7 @@ struct Tile<'a> {
     /// `[G, n]` softmax numerators of the task (the weights of dense rows); the tile starts at
     /// position `t0`.
     scores: &'a [f32],
-    n: usize,
+    pitch: usize,
     t0: usize,
 }
 
@@ -475,7 +515,7 @@ impl Tile<'_> {
         if affine {
             self.weights.as_ptr().add((j * self.ng + gi) * TILE + t)
         } else {
-            self.scores.as_ptr().add(j * self.n + self.t0 + t)
+            self.scores.as_ptr().add(j * self.pitch + self.t0 + t)
         }
     }
 }
@@ -587,10 +627,12 @@ fn exp_neg(x: f32) -> f32 {
     p * f32::from_bits(((ni + 127) << 23) as u32)
 }
 
-/// Turns `scores` (`[G, n]`) into `exp(score - max)` in place, writing per-head max and sum.
+/// Turns `scores` (`G` rows of `n` at `pitch`) into `exp(score - max)` in place, writing
+/// per-head max and sum.
 #[inline(always)]
-fn softmax_rows(scores: &mut [f32], n: usize, m: &mut [f32], l: &mut [f32]) {
-    for (j, row) in scores.chunks_exact_mut(n).enumerate() {
+fn softmax_rows(scores: &mut [f32], n: usize, pitch: usize, m: &mut [f32], l: &mut [f32]) {
+    for (j, row) in scores.chunks_exact_mut(pitch).enumerate() {
+        let row = &mut row[..n];
         // Sixteen partial reductions over exact chunks: one running value, or partial chunks
         // inside the loop, keep these loops scalar.
         let mut part = [f32::NEG_INFINITY; 16];

@@ -246,6 +246,32 @@ impl Simd for Avx512 {
             _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(w)),
         ]
     }
+    const TABLE4: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn table4(scale: __m512, bias: __m512) -> __m512 {
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        _mm512_fmadd_ps(iota, scale, bias)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn rebuild4_pair(
+        row: *const u32,
+        _words: usize,
+        u: usize,
+        table: __m512,
+        _scale: __m512,
+        _bias: __m512,
+    ) -> [__m512; 2] {
+        // The permute reads only the low 4 bits of each index: the low nibble needs no mask.
+        let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.cast::<u8>().add(16 * u).cast()));
+        [
+            _mm512_permutexvar_ps(w, table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(w), table),
+        ]
+    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn prefetch(p: *const u8) {

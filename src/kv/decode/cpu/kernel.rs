@@ -34,6 +34,8 @@ const PREFETCH: usize = 8;
 pub(super) trait Rows<S: Simd>: Sync {
     /// Whether rows carry a scale and a bias per group.
     const AFFINE: bool;
+    /// Whether [`Rows::rebuilt_pair`] takes a 16-entry table ([`Simd::table4`]).
+    const TABLE: bool = false;
     /// Offset of `slot`'s row of this KV head in the pool's element (or word) slice.
     fn row(&self, slot: usize) -> usize;
     /// Vector `v` of the row at `row`: values `LANES*v..LANES*(v+1)`, or for interleaved rows
@@ -46,6 +48,26 @@ pub(super) trait Rows<S: Simd>: Sync {
     #[inline(always)]
     unsafe fn pair(&self, row: usize, u: usize) -> [S::V; 2] {
         [self.vec(row, 2 * u), self.vec(row, 2 * u + 1)]
+    }
+    /// Vectors `2u`, `2u + 1` of the row, rebuilt with the group's scale and bias (or `table`,
+    /// where [`Rows::TABLE`]). Safety: as [`Rows::vec`].
+    #[inline(always)]
+    unsafe fn rebuilt_pair(
+        &self,
+        row: usize,
+        u: usize,
+        scale: S::V,
+        bias: S::V,
+        table: S::V,
+    ) -> [S::V; 2] {
+        let _ = table;
+        let mut x = self.pair(row, u);
+        if Self::AFFINE {
+            for x in &mut x {
+                *x = S::fma(*x, scale, bias);
+            }
+        }
+        x
     }
     /// Scale and bias of group `g` of `slot` (dense rows: 1 and 0). Safety: `slot` lies inside
     /// the pool, `g` < groups of a head, and the CPU supports `S`.
@@ -125,6 +147,7 @@ pub(super) struct AffineRows<'a, T, const B: u32> {
 
 impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     const AFFINE: bool = true;
+    const TABLE: bool = B == 4 && S::TABLE4;
     #[inline(always)]
     fn row(&self, slot: usize) -> usize {
         slot * self.row_words + self.head_word
@@ -136,6 +159,26 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     #[inline(always)]
     unsafe fn pair(&self, row: usize, u: usize) -> [S::V; 2] {
         S::code_pair::<B>(self.codes.as_ptr().add(row), self.head_words, u)
+    }
+    #[inline(always)]
+    unsafe fn rebuilt_pair(
+        &self,
+        row: usize,
+        u: usize,
+        scale: S::V,
+        bias: S::V,
+        table: S::V,
+    ) -> [S::V; 2] {
+        let p = self.codes.as_ptr().add(row);
+        if B == 4 {
+            S::rebuild4_pair(p, self.head_words, u, table, scale, bias)
+        } else {
+            let mut x = S::code_pair::<B>(p, self.head_words, u);
+            for x in &mut x {
+                *x = S::fma(*x, scale, bias);
+            }
+            x
+        }
     }
     #[inline(always)]
     unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32) {
@@ -415,22 +458,20 @@ unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
     let rows: [usize; RW] = std::array::from_fn(|r| k.row(slot[r]));
     let mut a = [[S::zero(); NJ]; RW];
     for gi in 0..ng {
-        let (mut sc, mut bi) = ([S::zero(); RW], [S::zero(); RW]);
+        let (mut sc, mut bi, mut tb) = ([S::zero(); RW], [S::zero(); RW], [S::zero(); RW]);
         if R::AFFINE {
             for r in 0..RW {
                 (sc[r], bi[r]) = k.scale_bias_splat(slot[r], gi);
+                if R::TABLE {
+                    tb[r] = S::table4(sc[r], bi[r]);
+                }
             }
         }
         let v0 = gi * gv;
         for u in v0 / 2..(v0 + gv) / 2 {
             let mut x = [[S::zero(); 2]; RW];
             for r in 0..RW {
-                x[r] = k.pair(rows[r], u);
-                if R::AFFINE {
-                    for x in &mut x[r] {
-                        *x = S::fma(*x, sc[r], bi[r]);
-                    }
-                }
+                x[r] = k.rebuilt_pair(rows[r], u, sc[r], bi[r], tb[r]);
             }
             for j in 0..NJ {
                 for h in 0..2 {

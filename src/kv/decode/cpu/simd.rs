@@ -54,6 +54,35 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
             Self::codes::<B>(row, words, 2 * u + 1),
         ]
     }
+    /// Whether 4-bit codes are rebuilt by a lookup in a 16-entry table ([`Simd::table4`],
+    /// [`Simd::rebuild4_pair`]): one permute per vector instead of a convert and a multiply-add,
+    /// where one vector holds the table (16 lanes).
+    const TABLE4: bool = false;
+    /// The table `scale·i + bias` for i in 0..16 (lane i). Only called where [`Simd::TABLE4`].
+    #[inline(always)]
+    unsafe fn table4(scale: Self::V, bias: Self::V) -> Self::V {
+        Self::fma(Self::zero(), scale, bias)
+    }
+    /// Vectors `2u`, `2u + 1` of a 4-bit row rebuilt: `table[code]` where [`Simd::TABLE4`],
+    /// else `code·scale + bias` (the same values: the table entries are those multiply-adds).
+    /// Safety: as [`Simd::codes`].
+    #[inline(always)]
+    unsafe fn rebuild4_pair(
+        row: *const u32,
+        words: usize,
+        u: usize,
+        table: Self::V,
+        scale: Self::V,
+        bias: Self::V,
+    ) -> [Self::V; 2] {
+        let _ = table;
+        // A loop, not `map`: a closure would not inherit the caller's target features.
+        let mut x = Self::code_pair::<4>(row, words, u);
+        for x in &mut x {
+            *x = Self::fma(*x, scale, bias);
+        }
+        x
+    }
     /// Asks for the cache line holding `p` (a hint: any address is fine).
     unsafe fn prefetch(p: *const u8);
 }

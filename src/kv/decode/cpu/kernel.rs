@@ -4,17 +4,16 @@
 //! The kernel is bound by instructions, not bytes or multiply-adds, so each pass is shaped to
 //! keep per-row scalar work and loads per multiply-add low:
 //!
-//! - Parameter pass (quantized rows): the task's V scales and biases are widened to f32 once,
-//!   into per-group arrays over positions (the V pass uses them vectorized); K's are broadcast
-//!   and widened where the K pass uses them.
+//! - Quantized rows are rebuilt in registers, `x̂ = code·scale + bias`, shared by all `G` query
+//!   heads: one multiply-add per vector, or for 4-bit codes on 16 lanes one permute from a
+//!   16-entry table `scale·i + bias` built per (row, group) ([`Simd::TABLE4`]). Scales and
+//!   biases are broadcast and widened straight from the pool where used.
 //! - K pass, two rows at a time, vectors in pairs (one load for the two nibble vectors of 4-bit
-//!   codes): K is rebuilt in registers, `x̂ = code·scale + bias` (one multiply-add per vector,
-//!   shared by all query heads), and each query vector load feeds both rows.
+//!   codes), every KV head of a row pair before the next: each query vector load feeds both
+//!   rows, and the eight sums of a row pair (4 query heads) are reduced together.
 //! - Softmax statistics in f32 over the task's scores.
-//! - V pass, in tiles of [`TILE`] positions and blocks of up to four vector columns: scales are
-//!   folded into the softmax weights, `Σ_t p_t (s_t c_t + b_t) = Σ_t (p_t s_t) c_t + Σ_t p_t b_t`
-//!   per group, so codes are accumulated as they decode (no rebuild) and the biases become one
-//!   dot product per (head, group) added at the end.
+//! - V pass, in tiles of [`TILE`] positions and blocks of up to four vector columns (16
+//!   accumulators for four query heads), rows rebuilt as in the K pass.
 //!
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
 //! accumulators stay in registers); a row is decoded once per chunk.
@@ -69,10 +68,9 @@ pub(super) trait Rows<S: Simd>: Sync {
         }
         x
     }
-    /// Scale and bias of group `g` of `slot` (dense rows: 1 and 0). Safety: `slot` lies inside
-    /// the pool, `g` < groups of a head, and the CPU supports `S`.
-    unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32);
-    /// [`Rows::scale_bias`] in every lane (one broadcast and widen each). Safety: as it.
+    /// Scale and bias of group `g` of `slot` in every lane (dense rows: 1 and 0), one broadcast
+    /// and widen each. Safety: `slot` lies inside the pool, `g` < groups of a head, and the CPU
+    /// supports `S`.
     unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V);
     /// Starts loading `slot`'s values or codes, of every KV head, into cache.
     fn prefetch(&self, slot: usize);
@@ -113,10 +111,6 @@ impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
     #[inline(always)]
     unsafe fn vec(&self, row: usize, v: usize) -> S::V {
         T::load::<S>(self.data.as_ptr().add(row + S::LANES * v))
-    }
-    #[inline(always)]
-    unsafe fn scale_bias(&self, _: usize, _: usize) -> (f32, f32) {
-        (1.0, 0.0)
     }
     #[inline(always)]
     unsafe fn scale_bias_splat(&self, _: usize, _: usize) -> (S::V, S::V) {
@@ -181,12 +175,6 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
         }
     }
     #[inline(always)]
-    unsafe fn scale_bias(&self, slot: usize, g: usize) -> (f32, f32) {
-        let i = slot * self.row_groups + self.head_group + g;
-        let (s, b) = (self.scales.get_unchecked(i), self.biases.get_unchecked(i));
-        (s.to_f32::<S>(), b.to_f32::<S>())
-    }
-    #[inline(always)]
     unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V) {
         let i = slot * self.row_groups + self.head_group + g;
         let (s, b) = (self.scales.get_unchecked(i), self.biases.get_unchecked(i));
@@ -218,10 +206,6 @@ pub(super) struct Shape {
 #[derive(Default)]
 pub(super) struct Scratch {
     scores: Vec<f32>,
-    /// Quantized rows: V scales and V biases of the task, `[KV head, 2, groups, n]`.
-    params: Vec<f32>,
-    /// Softmax weights times V scales of one tile, `[G, groups, TILE]`.
-    weights: Vec<f32>,
     rows: Vec<usize>,
 }
 
@@ -260,33 +244,9 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     out: &mut [f32],
 ) {
     let (g, hd, kvh) = (sh.g, sh.head_dim, heads.len());
-    let ng = hd / sh.group;
     let n = slots.len();
     let np = pitch(n);
     let stride = 2 * g + g * hd;
-    let (k0, v0) = &heads[0];
-    // V scales and biases, `[KV head, 2, groups, n]`: the V pass needs them as arrays over
-    // positions. (K's are broadcast straight from the pool in the K pass.)
-    let params: &[f32] = if R::AFFINE {
-        let p = sized(&mut scratch.params, kvh * 2 * ng * np);
-        for (t, &s) in slots.iter().enumerate() {
-            if let Some(&ahead) = slots.get(t + PREFETCH) {
-                k0.prefetch_params(ahead as usize);
-                v0.prefetch_params(ahead as usize);
-            }
-            for (kh, (_, v)) in heads.iter().enumerate() {
-                let at = kh * 2 * ng * np + t;
-                for gi in 0..ng {
-                    let (vs, vb) = v.scale_bias(s as usize, gi);
-                    *p.get_unchecked_mut(at + gi * np) = vs;
-                    *p.get_unchecked_mut(at + (ng + gi) * np) = vb;
-                }
-            }
-        }
-        p
-    } else {
-        &[]
-    };
     let scores = sized(&mut scratch.scores, kvh * g * np);
     k_pass(heads, q, slots, sh, scores);
     for (o, sc) in out
@@ -298,7 +258,7 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
         softmax_rows(sc, n, np, m, l);
         acc.fill(0.0);
     }
-    let weights = sized(&mut scratch.weights, g * ng * TILE);
+    let v0 = &heads[0].1;
     let rows = &mut scratch.rows;
     for (ti, tile) in slots.chunks(TILE).enumerate() {
         let t0 = ti * TILE;
@@ -307,27 +267,14 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
             // The next tile's rows, a share per head so the requests spread over the tile.
             for &s in next.iter().take(TILE).skip(kh).step_by(kvh) {
                 v0.prefetch(s as usize);
+                v0.prefetch_params(s as usize);
             }
             rows.clear();
             rows.extend(tile.iter().map(|&s| v.row(s as usize)));
-            let sc = &scores[kh * g * np..][..g * np];
-            if R::AFFINE {
-                let vs = &params[kh * 2 * ng * np..][..ng * np];
-                for j in 0..g {
-                    let p = &sc[j * np + t0..][..tile.len()];
-                    for gi in 0..ng {
-                        let w = &mut weights[(j * ng + gi) * TILE..][..tile.len()];
-                        for ((w, p), s) in w.iter_mut().zip(p).zip(&vs[gi * np + t0..]) {
-                            *w = p * s;
-                        }
-                    }
-                }
-            }
             let tile = Tile {
+                slots: tile,
                 rows,
-                weights,
-                ng,
-                scores: sc,
+                scores: &scores[kh * g * np..][..g * np],
                 pitch: np,
                 t0,
             };
@@ -346,39 +293,6 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
             }
         }
     }
-    if R::AFFINE {
-        // Σ_t p_t b_t per (query head, group), added to every value of the group.
-        for kh in 0..kvh {
-            let vb = &params[(kh * 2 + 1) * ng * np..][..ng * np];
-            let acc = &mut out[kh * stride + 2 * g..][..g * hd];
-            for j in 0..g {
-                let p = &scores[(kh * g + j) * np..][..n];
-                for gi in 0..ng {
-                    let bias = dot(p, &vb[gi * np..][..n]);
-                    for x in &mut acc[j * hd + gi * sh.group..][..sh.group] {
-                        *x += bias;
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// `Σ a_i b_i` with eight partial sums (so it vectorizes; the order is fixed, so deterministic).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut part = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            part[i] += x[i] * y[i];
-        }
-    }
-    for (i, (x, y)) in ar.iter().zip(br).enumerate() {
-        part[i] += x * y;
-    }
-    part.iter().sum()
 }
 
 /// Scores of every query head against every row, `scores[(kh · G + j) · pitch + t]`: rows two at
@@ -399,8 +313,10 @@ unsafe fn k_pass<S: Simd, R: Rows<S>>(
         for ahead in t + PREFETCH..(t + PREFETCH + 2).min(2 * n) {
             if ahead < n {
                 k0.prefetch(slots[ahead] as usize);
+                k0.prefetch_params(slots[ahead] as usize);
             } else {
                 v0.prefetch(slots[ahead - n] as usize);
+                v0.prefetch_params(slots[ahead - n] as usize);
             }
         }
         if t + 1 < n {
@@ -536,32 +452,18 @@ unsafe fn hsums<S: Simd, const NJ: usize>(a: &[S::V; NJ]) -> [f32; NJ] {
     out
 }
 
-/// One V tile: row offsets and the weights of its positions.
+/// One V tile: its slots and row offsets, and the task's softmax weights.
 struct Tile<'a> {
+    slots: &'a [u32],
     rows: &'a [usize],
-    /// Quantized rows: `[G, groups, TILE]` softmax weights times V scales.
-    weights: &'a [f32],
-    ng: usize,
-    /// `[G, n]` softmax numerators of the task (the weights of dense rows); the tile starts at
-    /// position `t0`.
+    /// `G` rows (at `pitch`) of softmax numerators of the task; the tile starts at position
+    /// `t0`.
     scores: &'a [f32],
     pitch: usize,
     t0: usize,
 }
 
-impl Tile<'_> {
-    /// Weight of query head `j`'s position `t` of the tile for group `gi`.
-    #[inline(always)]
-    unsafe fn weight(&self, affine: bool, j: usize, gi: usize, t: usize) -> *const f32 {
-        if affine {
-            self.weights.as_ptr().add((j * self.ng + gi) * TILE + t)
-        } else {
-            self.scores.as_ptr().add(j * self.pitch + self.t0 + t)
-        }
-    }
-}
-
-/// Adds `Σ_t w_jt · row_t` of one tile to the accumulators of query heads `j0..j0+NJ`: vector
+/// Adds `Σ_t p_jt · row_t` of one tile to the accumulators of query heads `j0..j0+NJ`: vector
 /// columns in blocks of four (quantized rows always have an even count), then pairs, then one.
 #[inline(always)]
 unsafe fn v_tile<S: Simd, R: Rows<S>, const NJ: usize>(
@@ -586,7 +488,7 @@ unsafe fn v_tile<S: Simd, R: Rows<S>, const NJ: usize>(
     }
 }
 
-/// [`v_tile`] for the `2·P` vector columns from `c0` (even), decoded in pairs.
+/// [`v_tile`] for the `2·P` vector columns from `c0` (even), rebuilt in pairs as in the K pass.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn v_cols<S: Simd, R: Rows<S>, const NJ: usize, const P: usize>(
@@ -598,17 +500,30 @@ unsafe fn v_cols<S: Simd, R: Rows<S>, const NJ: usize, const P: usize>(
     acc: &mut [f32],
 ) {
     let gv = sh.group / S::LANES;
+    // Whether the block lies in one group (one scale, bias and table per row), else one each
+    // pair.
+    let one_group = c0 / gv == (c0 + 2 * P - 1) / gv;
     let mut a = [[[S::zero(); 2]; P]; NJ];
-    let w: [[*const f32; P]; NJ] = std::array::from_fn(|j| {
-        std::array::from_fn(|p| tile.weight(R::AFFINE, j0 + j, (c0 + 2 * p) / gv, 0))
-    });
+    let w: [*const f32; NJ] =
+        std::array::from_fn(|j| tile.scores.as_ptr().add((j0 + j) * tile.pitch + tile.t0));
     for (t, &row) in tile.rows.iter().enumerate() {
+        let slot = *tile.slots.get_unchecked(t) as usize;
+        let (mut sc, mut bi, mut tb) = (S::zero(), S::zero(), S::zero());
+        let mut x = [[S::zero(); 2]; P];
         for p in 0..P {
-            let x = v.pair(row, c0 / 2 + p);
-            for j in 0..NJ {
-                let wj = S::splat(*w[j][p].add(t));
-                a[j][p][0] = S::fma(wj, x[0], a[j][p][0]);
-                a[j][p][1] = S::fma(wj, x[1], a[j][p][1]);
+            if R::AFFINE && (p == 0 || !one_group) {
+                (sc, bi) = v.scale_bias_splat(slot, (c0 + 2 * p) / gv);
+                if R::TABLE {
+                    tb = S::table4(sc, bi);
+                }
+            }
+            x[p] = v.rebuilt_pair(row, c0 / 2 + p, sc, bi, tb);
+        }
+        for j in 0..NJ {
+            let wj = S::splat(*w[j].add(t));
+            for p in 0..P {
+                a[j][p][0] = S::fma(wj, x[p][0], a[j][p][0]);
+                a[j][p][1] = S::fma(wj, x[p][1], a[j][p][1]);
             }
         }
     }
@@ -636,9 +551,14 @@ unsafe fn v_col<S: Simd, R: Rows<S>, const NJ: usize>(
 ) {
     let gv = sh.group / S::LANES;
     let mut a = [S::zero(); NJ];
-    let w: [*const f32; NJ] = std::array::from_fn(|j| tile.weight(R::AFFINE, j0 + j, c / gv, 0));
+    let w: [*const f32; NJ] =
+        std::array::from_fn(|j| tile.scores.as_ptr().add((j0 + j) * tile.pitch + tile.t0));
     for (t, &row) in tile.rows.iter().enumerate() {
-        let x = v.vec(row, c);
+        let mut x = v.vec(row, c);
+        if R::AFFINE {
+            let (sc, bi) = v.scale_bias_splat(*tile.slots.get_unchecked(t) as usize, c / gv);
+            x = S::fma(x, sc, bi);
+        }
         for j in 0..NJ {
             a[j] = S::fma(S::splat(*w[j].add(t)), x, a[j]);
         }

@@ -244,6 +244,7 @@ fn run<R: AnyRows>(
         g,
         head_dim: hd,
         group,
+        groups: hd / group,
     };
     let heads: Vec<(R, R)> = (0..d.kv_heads).map(views).collect();
     // Per task and KV head: [max (G) | sum (G) | weighted V (G × head_dim)].

@@ -12,7 +12,7 @@
 //!   codes), every KV head of a row pair before the next: each query vector load feeds both
 //!   rows, and the eight sums of a row pair (4 query heads) are reduced together.
 //! - Softmax statistics in f32 over the task's scores.
-//! - V pass, in tiles of [`TILE`] positions and blocks of up to four vector columns (16
+//! - V pass, in tiles of positions ([`tile_len`]) and blocks of up to four vector columns (16
 //!   accumulators for four query heads), rows rebuilt as in the K pass.
 //!
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
@@ -21,8 +21,15 @@
 use super::simd::Simd;
 use super::Elem;
 
-/// Positions per V tile: the tile's rows stay in L1 while every column of the head is summed.
-pub(super) const TILE: usize = 32;
+/// Bytes of V rows (all KV heads) per V tile: the tile's rows stay in L1 while every column of
+/// every head is summed, with room for the next tile's prefetched rows.
+const TILE_BYTES: usize = 16 << 10;
+
+/// Positions per V tile for slot rows of `row_bytes`: 32 for 4-bit rows of 8 heads × 128, 16
+/// for 8-bit, 8 for f16 (measured: a fixed 32 slows the wider rows, 16 the 4-bit ones).
+fn tile_len(row_bytes: usize) -> usize {
+    (TILE_BYTES / row_bytes.max(1)).clamp(8, 32)
+}
 
 /// How many positions ahead the K pass prefetches slot rows. Blocks are shuffled, so hardware
 /// prefetchers lose the stream at every block boundary; without explicit prefetches the kernel
@@ -72,6 +79,8 @@ pub(super) trait Rows<S: Simd>: Sync {
     /// and widen each. Safety: `slot` lies inside the pool, `g` < groups of a head, and the CPU
     /// supports `S`.
     unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V);
+    /// Bytes of a slot's values or codes, all KV heads.
+    fn slot_bytes(&self) -> usize;
     /// Starts loading `slot`'s values or codes, of every KV head, into cache.
     fn prefetch(&self, slot: usize);
     /// Starts loading `slot`'s scales and biases, of every KV head, into cache (dense rows:
@@ -122,6 +131,9 @@ impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
     }
     #[inline(always)]
     fn prefetch_params(&self, _: usize) {}
+    fn slot_bytes(&self) -> usize {
+        self.stride * std::mem::size_of::<T>()
+    }
 }
 
 /// `B`-bit affine rows with scales and biases of type `T`.
@@ -184,6 +196,9 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     fn prefetch(&self, slot: usize) {
         prefetch_span::<S, u32>(self.codes, slot * self.row_words, self.row_words);
     }
+    fn slot_bytes(&self) -> usize {
+        self.row_words * 4
+    }
     #[inline(always)]
     fn prefetch_params(&self, slot: usize) {
         let i = slot * self.row_groups;
@@ -200,6 +215,8 @@ pub(super) struct Shape {
     pub head_dim: usize,
     /// Values per group (dense: head_dim).
     pub group: usize,
+    /// Groups per head row, `head_dim / group` (kept here: no division per row).
+    pub groups: usize,
 }
 
 /// Per-thread buffers, grown as needed and reused across tasks and calls.
@@ -260,12 +277,13 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     }
     let v0 = &heads[0].1;
     let rows = &mut scratch.rows;
-    for (ti, tile) in slots.chunks(TILE).enumerate() {
-        let t0 = ti * TILE;
-        let next = slots.get(t0 + TILE..).unwrap_or(&[]);
+    let tl = tile_len(v0.slot_bytes());
+    for (ti, tile) in slots.chunks(tl).enumerate() {
+        let t0 = ti * tl;
+        let next = slots.get(t0 + tl..).unwrap_or(&[]);
         for (kh, (_, v)) in heads.iter().enumerate() {
             // The next tile's rows, a share per head so the requests spread over the tile.
-            for &s in next.iter().take(TILE).skip(kh).step_by(kvh) {
+            for &s in next.iter().take(tl).skip(kh).step_by(kvh) {
                 v0.prefetch(s as usize);
                 v0.prefetch_params(s as usize);
             }
@@ -369,7 +387,7 @@ unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
     scores: &mut [f32],
 ) {
     let (hd, np) = (sh.head_dim, pitch(slots.len()));
-    let (gv, ng) = (sh.group / S::LANES, hd / sh.group);
+    let (gv, ng) = (sh.group / S::LANES, sh.groups);
     let slot: [usize; RW] = std::array::from_fn(|r| *slots.get_unchecked(t + r) as usize);
     let rows: [usize; RW] = std::array::from_fn(|r| k.row(slot[r]));
     let mut a = [[S::zero(); NJ]; RW];

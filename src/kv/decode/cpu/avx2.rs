@@ -108,6 +108,11 @@ impl Simd for Avx2 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn splat_f16(h: u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_set1_epi16(h as i16))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load_f16(p: *const u16) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
     }
@@ -163,6 +168,21 @@ impl Simd for Avx2 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_pair<const B: u32>(row: *const u32, words: usize, u: usize) -> [__m256; 2] {
+        if B != 4 {
+            return [
+                Self::codes::<B>(row, words, 2 * u),
+                Self::codes::<B>(row, words, 2 * u + 1),
+            ];
+        }
+        let w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.cast::<u8>().add(8 * u).cast()));
+        [
+            _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15))),
+            _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(w)),
+        ]
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn prefetch(p: *const u8) {
         _mm_prefetch::<_MM_HINT_T0>(p.cast())
     }
@@ -197,6 +217,20 @@ mod tests {
                     (got, Portable::codes::<B>(words.as_ptr(), n, v))
                 };
                 assert_eq!(got, want, "bits {B} vector {v}");
+            }
+            for u in 0..8 {
+                // SAFETY: as above.
+                let (mut pair, mut one) = ([0f32; 16], [0f32; 16]);
+                unsafe {
+                    let [a, b] = Avx2::code_pair::<B>(words.as_ptr(), n, u);
+                    Avx2::store(pair.as_mut_ptr(), a);
+                    Avx2::store(pair.as_mut_ptr().add(8), b);
+                    for h in 0..2 {
+                        let x = Avx2::codes::<B>(words.as_ptr(), n, 2 * u + h);
+                        Avx2::store(one.as_mut_ptr().add(8 * h), x);
+                    }
+                }
+                assert_eq!(pair, one, "bits {B} pair {u}");
             }
         }
         for _ in 0..50 {

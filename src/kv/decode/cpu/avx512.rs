@@ -129,6 +129,54 @@ impl Simd for Avx512 {
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn hsum8(a: [__m512; 8]) -> [f32; 8] {
+        // Halve the lanes while doubling the inputs per vector: after three rounds lane pairs
+        // (2i, 2i+1) hold input i's partial sums, and one more add leaves its sum in lane 2i.
+        let half = |x: __m512, y: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(x, y),
+                _mm512_shuffle_f32x4::<0xEE>(x, y),
+            )
+        };
+        // Lanes 0-3 | 4-7 | 8-11 | 12-15 of the result hold quarters of x, x, y, y.
+        let (b0, b1, b2, b3) = (
+            half(a[0], a[1]),
+            half(a[2], a[3]),
+            half(a[4], a[5]),
+            half(a[6], a[7]),
+        );
+        // Each 128-bit quarter k of b holds 4 partial sums of one input; pair up quarters
+        // 0+1 and 2+3 of two such vectors: quarters (x, y, z, w) of inputs.
+        let quart = |x: __m512, y: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(x, y),
+                _mm512_shuffle_f32x4::<0xDD>(x, y),
+            )
+        };
+        // c0 quarters: inputs 0, 1, 2, 3; c1: inputs 4, 5, 6, 7 (4 lanes each).
+        let (c0, c1) = (quart(b0, b1), quart(b2, b3));
+        // Within 128-bit lanes: [c0 0+1, c0 2+3, c1 0+1, c1 2+3] pairs, then the last add.
+        let d = _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(c0, c1),
+            _mm512_shuffle_ps::<0b11_01_11_01>(c0, c1),
+        );
+        // Lane 4q+0/1: input q's pair from c0, lanes 4q+2/3: input 4+q's pair from c1.
+        let e = _mm512_add_ps(d, _mm512_permute_ps::<0b10_11_00_01>(d));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(
+            out.as_mut_ptr(),
+            _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, e)),
+        );
+        out
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn splat_f16(h: u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn load_f16(p: *const u16) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
@@ -185,6 +233,47 @@ impl Simd for Avx512 {
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn code_pair<const B: u32>(row: *const u32, words: usize, u: usize) -> [__m512; 2] {
+        if B != 4 {
+            return [
+                Self::codes::<B>(row, words, 2 * u),
+                Self::codes::<B>(row, words, 2 * u + 1),
+            ];
+        }
+        let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.cast::<u8>().add(16 * u).cast()));
+        [
+            _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15))),
+            _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(w)),
+        ]
+    }
+    const TABLE4: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn table4(scale: __m512, bias: __m512) -> __m512 {
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        _mm512_fmadd_ps(iota, scale, bias)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn rebuild4_pair(
+        row: *const u32,
+        _words: usize,
+        u: usize,
+        table: __m512,
+        _scale: __m512,
+        _bias: __m512,
+    ) -> [__m512; 2] {
+        // The permute reads only the low 4 bits of each index: the low nibble needs no mask.
+        let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.cast::<u8>().add(16 * u).cast()));
+        [
+            _mm512_permutexvar_ps(w, table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(w), table),
+        ]
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn prefetch(p: *const u8) {
         _mm_prefetch::<_MM_HINT_T0>(p.cast())
     }
@@ -229,6 +318,20 @@ mod tests {
                 }
                 assert_eq!(got, want, "bits {B} vector {v}");
             }
+            for u in 0..4 {
+                // SAFETY: as above.
+                let (mut pair, mut one) = ([0f32; 32], [0f32; 32]);
+                unsafe {
+                    let [a, b] = Avx512::code_pair::<B>(words.as_ptr(), n, u);
+                    Avx512::store(pair.as_mut_ptr(), a);
+                    Avx512::store(pair.as_mut_ptr().add(16), b);
+                    for h in 0..2 {
+                        let x = Avx512::codes::<B>(words.as_ptr(), n, 2 * u + h);
+                        Avx512::store(one.as_mut_ptr().add(16 * h), x);
+                    }
+                }
+                assert_eq!(pair, one, "bits {B} pair {u}");
+            }
         }
         for _ in 0..50 {
             // Exactly one row's words, so an over-read would leave the allocation.
@@ -244,5 +347,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The eight-way horizontal sum gives each input's sum in order (integers: exact).
+    #[test]
+    fn hsum8_sums_each_input() {
+        if !available() {
+            return;
+        }
+        let vals: Vec<f32> = (0..128).map(|i| ((i * 37) % 101) as f32).collect();
+        // SAFETY: `available` was checked; `vals` holds 8 vectors.
+        let got = unsafe {
+            Avx512::hsum8(std::array::from_fn(|i| {
+                Avx512::load(vals.as_ptr().add(16 * i))
+            }))
+        };
+        let want: Vec<f32> = vals.chunks(16).map(|c| c.iter().sum()).collect();
+        assert_eq!(got.to_vec(), want);
     }
 }

@@ -21,8 +21,22 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn hsum4(a: [Self::V; 4]) -> [f32; 4] {
         a.map(|x| Self::hsum(x))
     }
+    /// Eight horizontal sums at once.
+    #[inline(always)]
+    unsafe fn hsum8(a: [Self::V; 8]) -> [f32; 8] {
+        let (x, y) = (
+            Self::hsum4([a[0], a[1], a[2], a[3]]),
+            Self::hsum4([a[4], a[5], a[6], a[7]]),
+        );
+        [x[0], x[1], x[2], x[3], y[0], y[1], y[2], y[3]]
+    }
     /// One f16 value (as bits) as f32.
     unsafe fn half(h: u16) -> f32;
+    /// One f16 value (as bits) widened into every lane.
+    #[inline(always)]
+    unsafe fn splat_f16(h: u16) -> Self::V {
+        Self::splat(Self::half(h))
+    }
     /// `LANES` f16 values (as bits) widened to f32.
     unsafe fn load_f16(p: *const u16) -> Self::V;
     /// `LANES` bf16 values (as bits) widened to f32.
@@ -31,6 +45,44 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     /// as f32, lane `l` holding value [`element`]`(B, LANES, v, l)`. Reads only inside the
     /// `words` words.
     unsafe fn codes<const B: u32>(row: *const u32, words: usize, v: usize) -> Self::V;
+    /// Vectors `2u` and `2u + 1` of [`Simd::codes`]: the kernel walks rows in pairs of vectors,
+    /// and for 4-bit codes the pair is one load (low and high nibbles of the same bytes).
+    #[inline(always)]
+    unsafe fn code_pair<const B: u32>(row: *const u32, words: usize, u: usize) -> [Self::V; 2] {
+        [
+            Self::codes::<B>(row, words, 2 * u),
+            Self::codes::<B>(row, words, 2 * u + 1),
+        ]
+    }
+    /// Whether 4-bit codes are rebuilt by a lookup in a 16-entry table ([`Simd::table4`],
+    /// [`Simd::rebuild4_pair`]): one permute per vector instead of a convert and a multiply-add,
+    /// where one vector holds the table (16 lanes).
+    const TABLE4: bool = false;
+    /// The table `scale·i + bias` for i in 0..16 (lane i). Only called where [`Simd::TABLE4`].
+    #[inline(always)]
+    unsafe fn table4(scale: Self::V, bias: Self::V) -> Self::V {
+        Self::fma(Self::zero(), scale, bias)
+    }
+    /// Vectors `2u`, `2u + 1` of a 4-bit row rebuilt: `table[code]` where [`Simd::TABLE4`],
+    /// else `code·scale + bias` (the same values: the table entries are those multiply-adds).
+    /// Safety: as [`Simd::codes`].
+    #[inline(always)]
+    unsafe fn rebuild4_pair(
+        row: *const u32,
+        words: usize,
+        u: usize,
+        table: Self::V,
+        scale: Self::V,
+        bias: Self::V,
+    ) -> [Self::V; 2] {
+        let _ = table;
+        // A loop, not `map`: a closure would not inherit the caller's target features.
+        let mut x = Self::code_pair::<4>(row, words, u);
+        for x in &mut x {
+            *x = Self::fma(*x, scale, bias);
+        }
+        x
+    }
     /// Asks for the cache line holding `p` (a hint: any address is fine).
     unsafe fn prefetch(p: *const u8);
 }

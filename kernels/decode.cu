@@ -375,7 +375,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Asks L2 for the `bytes` (≤ 64) bytes from p: the 32-byte sectors of its first and last byte.
+// Asks L2 for the 32-byte sectors of the first and the last byte of `bytes` bytes from p: the
+// whole span for rows of up to 64 bytes (4-bit and narrower at head_dim 128); for wider rows the
+// middle sectors are left to the demand loads.
 __device__ __forceinline__ void prefetch_span(const void* p, int bytes) {
     const char* c = reinterpret_cast<const char*>(p);
     prefetch_l2(c);

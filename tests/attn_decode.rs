@@ -140,6 +140,21 @@ fn reference(c: &Case) -> Tensor {
     .unwrap()
 }
 
+/// The fused decode of a case, on the device its tensors are on.
+fn fused(c: &Case) -> Tensor {
+    decode_attention(
+        &c.q,
+        &c.kv,
+        &c.tables,
+        &c.starts,
+        &c.lens,
+        BLOCK,
+        c.kv_heads,
+        scale_of(c),
+    )
+    .unwrap()
+}
+
 /// max |got - want| / max |want|.
 fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
     assert_eq!(got.dims(), want.dims());
@@ -186,41 +201,42 @@ fn affine(bits: u32, g: usize, scale_dtype: DType) -> KvFormat {
     KvFormat::affine(QuantFormat::new(bits, g).unwrap(), scale_dtype, false)
 }
 
-#[test]
-fn cpu_affine_matches_reference_all_formats() {
-    let mut seed = 0;
-    for bits in QuantFormat::BITS {
-        for g in QuantFormat::GROUP_SIZES {
-            for gqa in [1, 3, 8] {
-                for (kvh, seqs) in layouts() {
-                    seed += 1;
-                    let c = build(
-                        affine(bits, g, DType::F32),
-                        kvh,
-                        gqa,
-                        &seqs,
-                        DType::F32,
-                        seed,
-                    );
-                    let got = decode_attention(
-                        &c.q,
-                        &c.kv,
-                        &c.tables,
-                        &c.starts,
-                        &c.lens,
-                        BLOCK,
-                        kvh,
-                        scale(),
-                    )
-                    .unwrap();
-                    let err = rel_err(&got, &reference(&c));
-                    assert!(
-                        err < 1e-4,
-                        "bits {bits} g {g} gqa {gqa} kvh {kvh} {seqs:?}: rel err {err}"
-                    );
+/// Every (head_dim, group, GQA) of `shapes` × every bit width × the ragged layouts, in f32,
+/// with a label; seeds count up from `seed`.
+fn affine_cases(shapes: &[(usize, &[usize], &[usize])], mut seed: u64) -> Vec<(String, Case)> {
+    let mut out = Vec::new();
+    for &(d, groups, gqas) in shapes {
+        for &g in groups {
+            for bits in QuantFormat::BITS {
+                for &gqa in gqas {
+                    for (kvh, seqs) in layouts() {
+                        seed += 1;
+                        let c = build_d(
+                            affine(bits, g, DType::F32),
+                            kvh,
+                            gqa,
+                            &seqs,
+                            DType::F32,
+                            seed,
+                            d,
+                        );
+                        out.push((
+                            format!("d {d} bits {bits} g {g} gqa {gqa} kvh {kvh} {seqs:?}"),
+                            c,
+                        ));
+                    }
                 }
             }
         }
+    }
+    out
+}
+
+#[test]
+fn cpu_affine_matches_reference_all_formats() {
+    for (what, c) in affine_cases(&[(HEAD_DIM, &QuantFormat::GROUP_SIZES, &[1, 3, 8])], 0) {
+        let err = rel_err(&fused(&c), &reference(&c));
+        assert!(err < 1e-4, "{what}: rel err {err}");
     }
 }
 
@@ -237,17 +253,7 @@ fn cpu_dense_matches_reference() {
                     DType::F32,
                     7 + gqa as u64,
                 );
-                let got = decode_attention(
-                    &c.q,
-                    &c.kv,
-                    &c.tables,
-                    &c.starts,
-                    &c.lens,
-                    BLOCK,
-                    kvh,
-                    scale(),
-                )
-                .unwrap();
+                let got = fused(&c);
                 let err = rel_err(&got, &reference(&c));
                 assert!(err < tol, "{dt:?} gqa {gqa} kvh {kvh}: rel err {err}");
             }
@@ -267,17 +273,7 @@ fn cpu_half_queries_and_half_scales() {
     ] {
         let (kvh, seqs) = layouts().remove(0);
         let c = build(fmt, kvh, 4, &seqs, qdt, 99);
-        let got = decode_attention(
-            &c.q,
-            &c.kv,
-            &c.tables,
-            &c.starts,
-            &c.lens,
-            BLOCK,
-            kvh,
-            scale(),
-        )
-        .unwrap();
+        let got = fused(&c);
         let err = rel_err(&got, &reference(&c));
         assert!(err < tol, "{fmt:?} q {qdt:?}: rel err {err}");
     }
@@ -289,28 +285,8 @@ fn quantized_output_is_close_to_dense_attention() {
     let (kvh, seqs) = layouts().remove(0);
     let dense = build(KvFormat::Dense(DType::F32), kvh, 2, &seqs, DType::F32, 5);
     let q8 = build(affine(8, 64, DType::F32), kvh, 2, &seqs, DType::F32, 5);
-    let a = decode_attention(
-        &dense.q,
-        &dense.kv,
-        &dense.tables,
-        &dense.starts,
-        &dense.lens,
-        BLOCK,
-        kvh,
-        scale(),
-    )
-    .unwrap();
-    let b = decode_attention(
-        &q8.q,
-        &q8.kv,
-        &q8.tables,
-        &q8.starts,
-        &q8.lens,
-        BLOCK,
-        kvh,
-        scale(),
-    )
-    .unwrap();
+    let a = fused(&dense);
+    let b = fused(&q8);
     let err = rel_err(&b, &a);
     assert!(err > 0.0 && err < 0.05, "8-bit vs dense rel err {err}");
 }
@@ -392,18 +368,7 @@ mod cuda {
     }
 
     fn check(c: &Case, dev: &Device, tol: f32, what: &str) {
-        let g = to_gpu(c, dev);
-        let got = decode_attention(
-            &g.q,
-            &g.kv,
-            &g.tables,
-            &g.starts,
-            &g.lens,
-            BLOCK,
-            c.kv_heads,
-            scale_of(c),
-        )
-        .unwrap();
+        let got = fused(&to_gpu(c, dev));
         let err = rel_err(&got, &reference(c));
         assert!(err < tol, "{what}: rel err {err}");
     }
@@ -413,33 +378,13 @@ mod cuda {
         let dev = Device::new_cuda(0).expect("a CUDA device");
         // Every width and group at head_dim 128; head_dim 64 (the default model's) and one other
         // than 64 / 128 (block-wide kernel) with the groups that fit.
-        let mut seed = 1000;
-        let all = &QuantFormat::GROUP_SIZES[..];
-        for (d, groups, gqas) in [
-            (HEAD_DIM, all, &[1, 3, 8][..]),
-            (64, &[32, 64][..], &[1, 3][..]),
-            (96, &[32][..], &[1, 3][..]),
-        ] {
-            for &g in groups {
-                for bits in QuantFormat::BITS {
-                    for &gqa in gqas {
-                        for (kvh, seqs) in layouts() {
-                            seed += 1;
-                            let c = build_d(
-                                affine(bits, g, DType::F32),
-                                kvh,
-                                gqa,
-                                &seqs,
-                                DType::F32,
-                                seed,
-                                d,
-                            );
-                            let what = format!("d {d} bits {bits} g {g} gqa {gqa} kvh {kvh}");
-                            check(&c, &dev, 1e-4, &what);
-                        }
-                    }
-                }
-            }
+        let shapes: [(usize, &[usize], &[usize]); 3] = [
+            (HEAD_DIM, &QuantFormat::GROUP_SIZES, &[1, 3, 8]),
+            (64, &[32, 64], &[1, 3]),
+            (96, &[32], &[1, 3]),
+        ];
+        for (what, c) in affine_cases(&shapes, 1000) {
+            check(&c, &dev, 1e-4, &what);
         }
         for dt in [DType::F32, DType::F16, DType::BF16] {
             for gqa in [1, 3, 8, 16] {

@@ -300,7 +300,7 @@ pub fn decode_attention(
 /// [`decode_attention`] over a pool of rows stored rotated by `rot` (the `rotated` scheme;
 /// `None`: plain rows): attends with `q·R` and rotates the output back (`o·Rᵀ`), so it returns
 /// what attention over the unrotated rows would. The CUDA kernel for quantized head_dim 64 / 128
-/// pools does both in place (a Walsh-Hadamard transform in its prologue and in the merge);
+/// pools does both in place (Walsh-Hadamard transforms in its prologue and in its split merge);
 /// elsewhere they are two small matmuls around the kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention_rotated(

@@ -56,7 +56,7 @@ pub(super) trait Rows<S: Simd>: Sync {
         [self.vec(row, 2 * u), self.vec(row, 2 * u + 1)]
     }
     /// Vectors `2u`, `2u + 1` of the row, rebuilt with the group's scale and bias (or `table`,
-    /// where [`Rows::TABLE`]). Safety: as [`Rows::vec`].
+    /// where [`Rows::TABLE`]); dense rows are their values as stored. Safety: as [`Rows::vec`].
     #[inline(always)]
     unsafe fn rebuilt_pair(
         &self,
@@ -66,14 +66,8 @@ pub(super) trait Rows<S: Simd>: Sync {
         bias: S::V,
         table: S::V,
     ) -> [S::V; 2] {
-        let _ = table;
-        let mut x = self.pair(row, u);
-        if Self::AFFINE {
-            for x in &mut x {
-                *x = S::fma(*x, scale, bias);
-            }
-        }
-        x
+        let _ = (scale, bias, table);
+        self.pair(row, u)
     }
     /// Scale and bias of group `g` of `slot` in every lane (dense rows: 1 and 0), one broadcast
     /// and widen each. Safety: `slot` lies inside the pool, `g` < groups of a head, and the CPU
@@ -179,11 +173,7 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
         if B == 4 {
             S::rebuild4_pair(p, self.head_words, u, table, scale, bias)
         } else {
-            let mut x = S::code_pair::<B>(p, self.head_words, u);
-            for x in &mut x {
-                *x = S::fma(*x, scale, bias);
-            }
-            x
+            S::rebuild_pair::<B>(p, self.head_words, u, scale, bias)
         }
     }
     #[inline(always)]

@@ -63,8 +63,25 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn table4(scale: Self::V, bias: Self::V) -> Self::V {
         Self::fma(Self::zero(), scale, bias)
     }
+    /// Vectors `2u`, `2u + 1` of a `B`-bit row rebuilt as `code·scale + bias`. Safety: as
+    /// [`Simd::codes`].
+    #[inline(always)]
+    unsafe fn rebuild_pair<const B: u32>(
+        row: *const u32,
+        words: usize,
+        u: usize,
+        scale: Self::V,
+        bias: Self::V,
+    ) -> [Self::V; 2] {
+        // A loop, not `map`: a closure would not inherit the caller's target features.
+        let mut x = Self::code_pair::<B>(row, words, u);
+        for x in &mut x {
+            *x = Self::fma(*x, scale, bias);
+        }
+        x
+    }
     /// Vectors `2u`, `2u + 1` of a 4-bit row rebuilt: `table[code]` where [`Simd::TABLE4`],
-    /// else `code·scale + bias` (the same values: the table entries are those multiply-adds).
+    /// else [`Simd::rebuild_pair`] (the same values: the table entries are those multiply-adds).
     /// Safety: as [`Simd::codes`].
     #[inline(always)]
     unsafe fn rebuild4_pair(
@@ -76,12 +93,7 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
         bias: Self::V,
     ) -> [Self::V; 2] {
         let _ = table;
-        // A loop, not `map`: a closure would not inherit the caller's target features.
-        let mut x = Self::code_pair::<4>(row, words, u);
-        for x in &mut x {
-            *x = Self::fma(*x, scale, bias);
-        }
-        x
+        Self::rebuild_pair::<4>(row, words, u, scale, bias)
     }
     /// Asks for the cache line holding `p` (a hint: any address is fine).
     unsafe fn prefetch(p: *const u8);

@@ -186,7 +186,10 @@ pub fn attend_one(
 }
 
 /// The additive mask `attend_one` needs for `n` queries over `l` keys, if any (one query with
-/// no window that cuts its keys sees them all).
+/// no window that cuts its keys sees them all): 0 where query `i` (position `start + i`) may see
+/// key `j` (position `kstart + j`), else -inf. Built on `dev` from two position vectors: a long
+/// prefill chunk's `[n, L]` mask would otherwise be filled on the host and copied over for every
+/// layer.
 fn chunk_mask(
     n: usize,
     l: usize,
@@ -195,10 +198,25 @@ fn chunk_mask(
     window: Option<usize>,
     dev: &candle_core::Device,
 ) -> Result<Option<Tensor>> {
-    let needs_mask = n > 1 || window.is_some_and(|w| l > w);
-    needs_mask
-        .then(|| causal_mask(n, l, start, kstart, window, dev))
-        .transpose()
+    if n <= 1 && window.is_none_or(|w| l <= w) {
+        return Ok(None);
+    }
+    // Positions as f32 are exact far beyond any context window (2^24).
+    let qpos = Tensor::arange(start as u32, (start + n) as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((n, 1))?;
+    let kpos = Tensor::arange(kstart as u32, (kstart + l) as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((1, l))?;
+    let mut visible = kpos.broadcast_le(&qpos)?; // u8 [n, L]
+    if let Some(w) = window {
+        // p - kp < w  <=>  kp > p - w
+        let lo = (&qpos - w as f64)?;
+        visible = (visible * kpos.broadcast_gt(&lo)?)?;
+    }
+    let zeros = Tensor::zeros((n, l), DType::F32, dev)?;
+    let blocked = Tensor::full(f32::NEG_INFINITY, (n, l), dev)?;
+    visible.where_cond(&zeros, &blocked).map(Some)
 }
 
 /// [`attend_one`] with its mask (`[n, L]`, or none) given.
@@ -239,35 +257,6 @@ fn attend_masked(
         .permute((2, 0, 1, 3))?
         .contiguous()?
         .reshape((n, h, d))
-}
-
-/// 0 where query `i` (position `start + i`) may see key `j` (position `kstart + j`), else -inf.
-/// Built on `dev` from two position vectors: a long prefill chunk's `[n, L]` mask would otherwise
-/// be filled on the host and copied over for every layer.
-fn causal_mask(
-    n: usize,
-    l: usize,
-    start: usize,
-    kstart: usize,
-    window: Option<usize>,
-    dev: &candle_core::Device,
-) -> Result<Tensor> {
-    // Positions as f32 are exact far beyond any context window (2^24).
-    let qpos = Tensor::arange(start as u32, (start + n) as u32, dev)?
-        .to_dtype(DType::F32)?
-        .reshape((n, 1))?;
-    let kpos = Tensor::arange(kstart as u32, (kstart + l) as u32, dev)?
-        .to_dtype(DType::F32)?
-        .reshape((1, l))?;
-    let mut visible = kpos.broadcast_le(&qpos)?; // u8 [n, L]
-    if let Some(w) = window {
-        // p - kp < w  <=>  kp > p - w
-        let lo = (&qpos - w as f64)?;
-        visible = (visible * kpos.broadcast_gt(&lo)?)?;
-    }
-    let zeros = Tensor::zeros((n, l), DType::F32, dev)?;
-    let blocked = Tensor::full(f32::NEG_INFINITY, (n, l), dev)?;
-    visible.where_cond(&zeros, &blocked)
 }
 
 #[cfg(test)]

@@ -451,6 +451,63 @@ __device__ __forceinline__ float fast_exp(float x) {
     return y;
 }
 
+// Merges the position splits of IT outputs: output k is value dd[k] of head row hr[k], whose
+// splits sit at rows s·BH + hr[k] of part_ml ([.., 2]: max, sum) and part_acc ([.., D]).
+// Splits are read SC at a time for all IT outputs at once (one round trip to L2 per SC splits:
+// the merge is latency-bound) and combined online. Empty splits (m = -inf) count for nothing;
+// NaN (a bad sequence) propagates. Outputs with in[k] false read nothing.
+template <int IT>
+__device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
+                                             const float* __restrict__ part_ml, size_t BH, int D,
+                                             int nsplit, const size_t* hr, const int* dd,
+                                             const bool* in, float* o) {
+    constexpr int SC = 4;
+    float M[IT], num[IT], den[IT];
+    bool any_nan[IT];
+#pragma unroll
+    for (int k = 0; k < IT; k++) {
+        M[k] = neg_inf();
+        num[k] = den[k] = 0.f;
+        any_nan[k] = false;
+    }
+    for (int s0 = 0; s0 < nsplit; s0 += SC) {
+        float m[IT][SC], l[IT][SC], a[IT][SC];
+#pragma unroll
+        for (int k = 0; k < IT; k++) {
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                const size_t h = (size_t)(s0 + u) * BH + hr[k];
+                const bool ok = s0 + u < nsplit && in[k];
+                m[k][u] = ok ? __ldcg(&part_ml[h * 2]) : neg_inf();
+                l[k][u] = ok ? __ldcg(&part_ml[h * 2 + 1]) : 0.f;
+                a[k][u] = ok ? __ldcg(&part_acc[h * D + dd[k]]) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < IT; k++) {
+            float cm = neg_inf();
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                if (m[k][u] != m[k][u]) any_nan[k] = true;
+                else cm = fmaxf(cm, m[k][u]);
+            }
+            const float mn = fmaxf(M[k], cm);
+            const float r = M[k] == neg_inf() ? 0.f : fast_exp(M[k] - mn);
+            num[k] *= r;
+            den[k] *= r;
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                const float w = m[k][u] == neg_inf() || m[k][u] != m[k][u] ? 0.f : fast_exp(m[k][u] - mn);
+                num[k] += w * a[k][u];
+                den[k] += w * l[k][u];
+            }
+            M[k] = mn;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < IT; k++) o[k] = any_nan[k] ? __int_as_float(0x7fc00000) : num[k] / den[k];
+}
+
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void qdecode_impl(
     const T* __restrict__ q, float scale, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
@@ -1027,60 +1084,26 @@ if constexpr (VMMA) {
     __threadfence();
     const size_t hstride = (size_t)Bn * H;  // one split's stride, in heads
     float* o_s = &wacc_s[0][0][0];           // [QG][D]
-    // Each thread owns IT (head, dim) outputs; splits are read SC at a time for all of them at
-    // once (one round trip to L2 per SC splits), merged online.
-    constexpr int IT = QG * D / (QW * 32), SC = 4;
-    float M[IT], num[IT], den[IT];
-    bool any_nan[IT];
-#pragma unroll
-    for (int k = 0; k < IT; k++) {
-        M[k] = neg_inf();
-        num[k] = den[k] = 0.f;
-        any_nan[k] = false;
-    }
+    // Each thread owns IT (head, dim) outputs.
+    constexpr int IT = QG * D / (QW * 32);
     const size_t hb = (size_t)b * H + (size_t)kh * G + j0;
-    for (int s0 = 0; s0 < nsplit; s0 += SC) {
-        float m[IT][SC], l[IT][SC], a[IT][SC];
-#pragma unroll
-        for (int k = 0; k < IT; k++) {
-            const int i = tid + k * QW * 32, j = i / D, dd = i % D;
-#pragma unroll
-            for (int u = 0; u < SC; u++) {
-                const size_t h = (size_t)(s0 + u) * hstride + hb + j;
-                const bool in = s0 + u < nsplit && j < gn;
-                m[k][u] = in ? __ldcg(&part_ml[h * 2]) : neg_inf();
-                l[k][u] = in ? __ldcg(&part_ml[h * 2 + 1]) : 0.f;
-                a[k][u] = in ? __ldcg(&part_acc[h * D + dd]) : 0.f;
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < IT; k++) {
-            float cm = neg_inf();
-#pragma unroll
-            for (int u = 0; u < SC; u++) {
-                if (m[k][u] != m[k][u]) any_nan[k] = true;
-                else cm = fmaxf(cm, m[k][u]);
-            }
-            const float mn = fmaxf(M[k], cm);
-            const float r = M[k] == neg_inf() ? 0.f : fast_exp(M[k] - mn);
-            num[k] *= r;
-            den[k] *= r;
-#pragma unroll
-            for (int u = 0; u < SC; u++) {
-                const float w = m[k][u] == neg_inf() || m[k][u] != m[k][u] ? 0.f : fast_exp(m[k][u] - mn);
-                num[k] += w * a[k][u];
-                den[k] += w * l[k][u];
-            }
-            M[k] = mn;
-        }
-    }
+    size_t hr[IT];
+    int dd[IT];
+    bool in[IT];
+    float o[IT];
 #pragma unroll
     for (int k = 0; k < IT; k++) {
-        const int i = tid + k * QW * 32, j = i / D, dd = i % D;
-        if (j >= gn) continue;
-        const float o = any_nan[k] ? nan : num[k] / den[k];
-        if (rotated) o_s[i] = o;
-        else out[(hb + j) * D + dd] = from_f<T>(o);
+        const int i = tid + k * QW * 32;
+        hr[k] = hb + i / D;
+        dd[k] = i % D;
+        in[k] = i / D < gn;
+    }
+    merge_splits<IT>(part_acc, part_ml, hstride, D, nsplit, hr, dd, in, o);
+#pragma unroll
+    for (int k = 0; k < IT; k++) {
+        if (!in[k]) continue;
+        if (rotated) o_s[tid + k * QW * 32] = o[k];
+        else out[hr[k] * D + dd[k]] = from_f<T>(o[k]);
     }
     if (tid == 0) counters[cidx] = 0;
     if (!rotated) return;
@@ -1091,84 +1114,33 @@ if constexpr (VMMA) {
         out[(hb + i / D) * D + i % D] = from_f<T>(o_s[i] * nrm * signs[i % D]);
 }
 
-// Combines the splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s, written in the
-// query's element type. Empty splits have m = -inf and are skipped; NaN (a bad sequence)
-// propagates. The split loop keeps 4 independent loads in flight (it is latency-bound).
-// `rotated`: the kernel attended in the rotated space (q rotated in its prologue), so the
-// output is rotated back here: s ⊙ (H·o)/√D. Only the warp kernel rotates in place, so D is 64
-// or 128 (the host checks).
+// Combines the block-wide kernels' splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s,
+// written in the query's element type (merge_splits). One block per (sequence, head), up to 256
+// threads, at most two values of a row per thread (D ≤ 512).
 template <typename T>
 __device__ __forceinline__ void merge_impl(const float* __restrict__ part_acc,
                                            const float* __restrict__ part_ml, T* __restrict__ out,
-                                           int nsplit, int BH, int D, const float* __restrict__ signs,
-                                           int rotated) {
-    __shared__ float o_s[128];
-    __shared__ float red_s[32];
-    __shared__ int nan_s;
-    const int bh = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-    const float* ml = part_ml + (size_t)bh * 2;
-    const size_t sstride = (size_t)BH * 2;
-    // Block-wide max of the splits' m, and whether any is NaN.
-    float M = neg_inf();
-    int nan_seen = 0;
-    for (int s = tid; s < nsplit; s += nt) {
-        const float m = ml[s * sstride];
-        if (m != m) nan_seen = 1;
-        else M = fmaxf(M, m);
+                                           int nsplit, int BH, int D) {
+    const size_t bh = blockIdx.x;
+    size_t hr[2] = {bh, bh};
+    int dd[2];
+    bool in[2];
+    float o[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        dd[k] = threadIdx.x + k * blockDim.x;
+        in[k] = dd[k] < D;
     }
-    if (tid == 0) nan_s = 0;
+    merge_splits<2>(part_acc, part_ml, (size_t)BH, D, nsplit, hr, dd, in, o);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    __syncthreads();
-    if (nan_seen) nan_s = 1;
-    if ((tid & 31) == 0) red_s[tid >> 5] = M;
-    __syncthreads();
-    M = neg_inf();
-    for (int w = 0; w < (nt + 31) / 32; w++) M = fmaxf(M, red_s[w]);
-    const bool any_nan = nan_s != 0;
-    for (int d = tid; d < D; d += nt) {
-        float num = 0.f, den = 0.f;
-        int s = 0;
-        for (; s + 4 <= nsplit; s += 4) {
-            float m[4], l[4], a[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                m[u] = ml[(s + u) * sstride];
-                l[u] = ml[(s + u) * sstride + 1];
-                a[u] = part_acc[((size_t)(s + u) * BH + bh) * D + d];
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                if (m[u] == neg_inf()) continue;
-                const float w = expf(m[u] - M);
-                num += w * a[u];
-                den += w * l[u];
-            }
-        }
-        for (; s < nsplit; s++) {
-            const float m = ml[s * sstride];
-            if (m == neg_inf()) continue;
-            const float w = expf(m - M);
-            num += w * part_acc[((size_t)s * BH + bh) * D + d];
-            den += w * ml[s * sstride + 1];
-        }
-        const float o = any_nan ? __int_as_float(0x7fc00000) : num / den;
-        if (rotated) o_s[d] = o;
-        else out[(size_t)bh * D + d] = from_f<T>(o);
-    }
-    if (!rotated) return;
-    __syncthreads();
-    if (D == 64) fwht<64>(o_s, 1, tid, nt);
-    else fwht<128>(o_s, 1, tid, nt);
-    const float nrm = inv_sqrt_d(D);
-    for (int d = tid; d < D; d += nt) out[(size_t)bh * D + d] = from_f<T>(o_s[d] * nrm * signs[d]);
+    for (int k = 0; k < 2; k++)
+        if (in[k]) out[bh * D + dd[k]] = from_f<T>(o[k]);
 }
 
 #define KVQ_MERGE(TNAME, T)                                                                          \
     extern "C" __global__ void decode_merge_##TNAME(const float* part_acc, const float* part_ml,     \
-                                                    T* out, int nsplit, int BH, int D,             \
-                                                    const float* signs, int rotated) {             \
-        merge_impl<T>(part_acc, part_ml, out, nsplit, BH, D, signs, rotated);                       \
+                                                    T* out, int nsplit, int BH, int D) {           \
+        merge_impl<T>(part_acc, part_ml, out, nsplit, BH, D);                                       \
     }
 KVQ_MERGE(f32, float)
 KVQ_MERGE(f16, __half)

@@ -357,17 +357,7 @@ pub(super) fn decode(
 
     let out = match fused {
         Some(out) => out,
-        None => merge(
-            &dev,
-            q.dtype(),
-            &part_acc,
-            &part_ml,
-            nsplit,
-            bh,
-            d,
-            &sgv,
-            rotated,
-        )?,
+        None => merge(&dev, q.dtype(), &part_acc, &part_ml, nsplit, bh, d)?,
     };
     let out = Tensor::from_storage(
         Storage::Cuda(out),
@@ -399,8 +389,8 @@ fn counters(dev: &CudaDevice, n: usize) -> Result<MutexGuard<'static, Counters>>
 
 type Counters = HashMap<DeviceId, CudaSlice<u32>>;
 
-/// Combines the splits of the block-wide kernels into the output, in q's element type.
-#[allow(clippy::too_many_arguments)]
+/// Combines the splits of the block-wide kernels into the output, in q's element type (their
+/// queries were rotated outside, so the output needs no rotation here).
 fn merge(
     dev: &CudaDevice,
     q_dtype: DType,
@@ -409,8 +399,6 @@ fn merge(
     nsplit: usize,
     bh: usize,
     d: usize,
-    sgv: &CudaView<'_, f32>,
-    rotated: i32,
 ) -> Result<CudaStorage> {
     let bh_i = i32::try_from(bh).map_err(|_| err(format!("batch x heads {bh} too large")))?;
     let (ns, d_i) = (nsplit as i32, d as i32);
@@ -433,9 +421,7 @@ fn merge(
                 .arg(&out)
                 .arg(&ns)
                 .arg(&bh_i)
-                .arg(&d_i)
-                .arg(sgv)
-                .arg(&rotated);
+                .arg(&d_i);
             unsafe { b.launch(mcfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};

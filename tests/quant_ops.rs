@@ -2,7 +2,7 @@
 //! bf16, leading dims, large and constant values), input refusals, and quantize_into.
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use kvq::kv::quant::{self, QuantFormat, Quantized};
+use kvq::kv::quant::{self, QuantFormat, Quantized, SlotRows};
 
 fn bits(t: &Tensor) -> Vec<u32> {
     let t = t.flatten_all().unwrap();
@@ -267,7 +267,13 @@ fn check_into_rows(dev: &Device) {
         };
         let rows = [3u32, 4, 5, 9, 1, 0];
         let x = sample(&[rows.len(), width], DType::F32, 2.0);
-        quant::quantize_into_rows(&x.to_device(dev).unwrap(), fmt, &pool, &rows).unwrap();
+        quant::quantize_into_rows(
+            &x.to_device(dev).unwrap(),
+            fmt,
+            &pool,
+            &SlotRows::new(rows.to_vec()),
+        )
+        .unwrap();
         let want = quant::quantize(&x.to_dtype(dtype).unwrap(), fmt).unwrap();
         let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
         for (i, &r) in rows.iter().enumerate() {
@@ -292,9 +298,10 @@ fn check_into_rows(dev: &Device) {
             );
         }
         let xd = x.to_device(dev).unwrap();
-        let e = quant::quantize_into_rows(&xd, fmt, &pool, &[0, 1, 2, 3, 4, 12]).unwrap_err();
+        let bad = SlotRows::new(vec![0, 1, 2, 3, 4, 12]);
+        let e = quant::quantize_into_rows(&xd, fmt, &pool, &bad).unwrap_err();
         assert!(e.to_string().contains("outside the pool"), "{e}");
-        let e = quant::quantize_into_rows(&xd, fmt, &pool, &[0, 1]).unwrap_err();
+        let e = quant::quantize_into_rows(&xd, fmt, &pool, &SlotRows::new(vec![0, 1])).unwrap_err();
         assert!(e.to_string().contains("rows for"), "{e}");
     }
 }

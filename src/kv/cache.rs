@@ -18,8 +18,10 @@
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use super::layer::{KvFormat, LayerKv, LayerRows};
+use super::quant::SlotRows;
 use super::rotation::{Rotation, DEFAULT_SEED};
 
 /// Identifies one sequence in the cache (the scheduler's request number).
@@ -210,6 +212,9 @@ pub struct PagedKvCache {
     peak_bytes: usize,
     /// Built when any main-pool layer is rotated (one rotation serves every layer and head).
     rotation: Option<Rotation>,
+    /// The slots of the last write, per pool written: every layer of a step writes the same
+    /// ones, so they are uploaded to the device once per step, not once per layer.
+    last_slots: Mutex<Vec<Arc<SlotRows>>>,
 }
 
 impl PagedKvCache {
@@ -248,6 +253,7 @@ impl PagedKvCache {
             seqs: HashMap::new(),
             peak_bytes: 0,
             rotation,
+            last_slots: Mutex::default(),
         })
     }
 
@@ -353,9 +359,11 @@ impl PagedKvCache {
                 })
                 .collect();
             let src_slots = Tensor::from_vec(src_slots, s.len, &self.device)?;
-            let dst_slots: Vec<u32> = (0..s.len)
-                .map(|p| new[p / bs] * bs as u32 + (p % bs) as u32)
-                .collect();
+            let dst_slots = SlotRows::new(
+                (0..s.len)
+                    .map(|p| new[p / bs] * bs as u32 + (p % bs) as u32)
+                    .collect(),
+            );
             for (l, dst) in self.main.layers.iter().enumerate() {
                 let (k, v) =
                     staging.layers[l].gather(&src_slots, staging_dtype(&staging.layers[l]))?;
@@ -456,7 +464,13 @@ impl PagedKvCache {
             }
         }
         let total = k.dim(0)?;
+        let mut last = self.last_slots.lock().expect("poisoned slot cache");
+        let mut used = Vec::with_capacity(plan.len());
         for (pool, src, dst) in plan {
+            let slots = match last.iter().find(|s| s.as_slice() == dst.as_slice()) {
+                Some(s) => s.clone(),
+                None => Arc::new(SlotRows::new(dst)),
+            };
             let (k, v) = match (&rotated, pool) {
                 (Some((rk, rv)), Pool::Main) => (rk, rv),
                 _ => (k, v),
@@ -468,8 +482,10 @@ impl PagedKvCache {
                     let idx = Tensor::from_slice(&src, src.len(), k.device())?;
                     (k.index_select(&idx, 0)?, v.index_select(&idx, 0)?)
                 };
-            self.pool(pool).layers[layer].write_slots(&dst, &k, &v)?;
+            self.pool(pool).layers[layer].write_slots(&slots, &k, &v)?;
+            used.push(slots);
         }
+        *last = used;
         Ok(())
     }
 

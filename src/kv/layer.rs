@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::quant::{
-    dequantize, quantize_into_rows, quantize_rows_into, slot_runs, QuantFormat, Quantized,
+    dequantize, quantize_into_rows, quantize_rows_into, slot_runs, QuantFormat, Quantized, SlotRows,
 };
 
 /// The element format of a layer's blocks.
@@ -139,7 +139,7 @@ impl LayerKv {
     /// Writes rows `k`, `v` (`[n, width]`, any float dtype) into slots `rows` (one per input
     /// row): quantized pools in one fused launch per tensor on CUDA (see
     /// [`quantize_into_rows`]), otherwise run by run of consecutive slots.
-    pub fn write_slots(&self, rows: &[u32], k: &Tensor, v: &Tensor) -> Result<()> {
+    pub fn write_slots(&self, rows: &SlotRows, k: &Tensor, v: &Tensor) -> Result<()> {
         match self {
             LayerKv::Affine {
                 kfmt,
@@ -152,6 +152,7 @@ impl LayerKv {
                 quantize_into_rows(v, *vfmt, qv, rows)
             }
             LayerKv::Dense { .. } => {
+                let rows = rows.as_slice();
                 for (i, len) in slot_runs(rows) {
                     self.write_run(
                         rows[i] as usize,

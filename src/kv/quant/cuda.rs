@@ -130,14 +130,14 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
     })
 }
 
-/// Quantizes `x [n, d]` (the pool's dtype, contiguous) into rows `rows` of `dst` in place: one
-/// launch, the pool's buffers written by the kernel (as `slice_set` writes them through its
-/// storage). The caller has checked shapes and bounds.
+/// Quantizes `x [n, d]` (the pool's dtype, contiguous) into rows `rows` (u32 `[n]`, on the
+/// device) of `dst` in place: one launch, the pool's buffers written by the kernel (as
+/// `slice_set` writes them through its storage). The caller has checked shapes and bounds.
 pub(super) fn quantize_into_rows(
     x: &Tensor,
     fmt: QuantFormat,
     dst: &Quantized,
-    rows: &[u32],
+    rows: &Tensor,
 ) -> Result<()> {
     let x = aligned(x)?;
     let (d, n) = (x.dim(1)?, x.elem_count());
@@ -145,7 +145,7 @@ pub(super) fn quantize_into_rows(
         x: &Tensor,
         fmt: QuantFormat,
         dst: &Quantized,
-        rows: &[u32],
+        rows: &Tensor,
         d: usize,
         n: usize,
     ) -> Result<()> {
@@ -171,7 +171,8 @@ pub(super) fn quantize_into_rows(
         let codes = as_cuda(&cst)?.as_cuda_slice::<u32>()?;
         let scales = as_cuda(&sst)?.as_cuda_slice::<T>()?;
         let biases = as_cuda(&bst)?.as_cuda_slice::<T>()?;
-        let rows_dev = dev.clone_htod(rows)?;
+        let (rst, r1, r2) = cuda_parts(rows)?;
+        let rows_dev = as_cuda(&rst)?.as_cuda_slice::<u32>()?.slice(r1..r2);
         let name = format!("quantize_rows_{}_b{}", dtype_name(x.dtype())?, fmt.bits());
         let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);

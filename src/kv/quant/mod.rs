@@ -241,6 +241,38 @@ pub fn quantize_rows_into(
     dst.biases.slice_set(&q.biases, 0, first)
 }
 
+/// The pool slots of a batch's new rows, for [`quantize_into_rows`]: the list (bounds are
+/// checked on the host) and its device copy, uploaded on first use and kept, so the K and V of
+/// every layer of a step that write the same slots share one upload.
+#[derive(Debug)]
+pub struct SlotRows {
+    host: Vec<u32>,
+    dev: std::sync::OnceLock<Tensor>,
+}
+
+impl SlotRows {
+    pub fn new(host: Vec<u32>) -> Self {
+        SlotRows {
+            host,
+            dev: std::sync::OnceLock::new(),
+        }
+    }
+
+    pub fn as_slice(&self) -> &[u32] {
+        &self.host
+    }
+
+    /// The slots as a u32 tensor on `device` (uploaded once; another device gets its own copy).
+    pub fn on(&self, device: &Device) -> Result<Tensor> {
+        if let Some(t) = self.dev.get().filter(|t| t.device().same_device(device)) {
+            return Ok(t.clone());
+        }
+        let t = Tensor::from_slice(&self.host, self.host.len(), device)?;
+        let _ = self.dev.set(t.clone());
+        Ok(t)
+    }
+}
+
 /// Quantizes `x [n, D]` into rows `rows[i]` of a preallocated pool (bounds checked on the host;
 /// other rows untouched). On CUDA one fused launch quantizes every row straight into the pool;
 /// elsewhere each run of consecutive rows goes through [`quantize_rows_into`]. This is the
@@ -250,8 +282,9 @@ pub fn quantize_into_rows(
     x: &Tensor,
     fmt: QuantFormat,
     dst: &Quantized,
-    rows: &[u32],
+    slots: &SlotRows,
 ) -> Result<()> {
+    let rows = slots.as_slice();
     let op = "quantize_into_rows";
     let (pool_rows, n) = check_rows_into(x, fmt, dst, op)?;
     let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
@@ -269,7 +302,7 @@ pub fn quantize_into_rows(
     #[cfg(feature = "cuda")]
     if let Device::Cuda(_) = x.device() {
         let x = x.to_dtype(dst.scales.dtype())?.contiguous()?;
-        return cuda::quantize_into_rows(&x, fmt, dst, rows);
+        return cuda::quantize_into_rows(&x, fmt, dst, &slots.on(x.device())?);
     }
     for (i, len) in slot_runs(rows) {
         quantize_rows_into(&x.narrow(0, i, len)?, fmt, dst, rows[i] as usize)?;

@@ -126,8 +126,21 @@ fn scale_of(c: &Case) -> f32 {
     1.0 / (c.q.dim(2).unwrap() as f32).sqrt()
 }
 
-fn reference(c: &Case) -> Tensor {
-    generic::decode_attention(
+/// The signature both decode entry points share.
+type DecodeFn = fn(
+    &Tensor,
+    &LayerKv,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    usize,
+    usize,
+    f32,
+) -> candle_core::Result<Tensor>;
+
+/// `f` on a case, on the device its tensors are on.
+fn run(c: &Case, f: DecodeFn) -> Tensor {
+    f(
         &c.q,
         &c.kv,
         &c.tables,
@@ -140,19 +153,13 @@ fn reference(c: &Case) -> Tensor {
     .unwrap()
 }
 
-/// The fused decode of a case, on the device its tensors are on.
+fn reference(c: &Case) -> Tensor {
+    run(c, generic::decode_attention)
+}
+
+/// The fused decode of a case.
 fn fused(c: &Case) -> Tensor {
-    decode_attention(
-        &c.q,
-        &c.kv,
-        &c.tables,
-        &c.starts,
-        &c.lens,
-        BLOCK,
-        c.kv_heads,
-        scale_of(c),
-    )
-    .unwrap()
+    run(c, decode_attention)
 }
 
 /// max |got - want| / max |want|.

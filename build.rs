@@ -1,5 +1,5 @@
-//! Compiles kvq's CUDA kernels to PTX, only for `--features cuda` builds (NVCC and
-//! CUDA_COMPUTE_CAP come from ../shared/cuda/env.sh; defaults: `nvcc`, 90).
+//! Compiles kvq's CUDA kernels to fat binaries (machine code + PTX), only for `--features cuda`
+//! builds (NVCC and CUDA_COMPUTE_CAP come from ../shared/cuda/env.sh; defaults: `nvcc`, 90).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -15,17 +15,20 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    // One PTX per kernel file: quant.cu (quantization), decode.cu (decode attention).
+    // One fat binary per kernel file: quant.cu (quantization), decode.cu (decode attention),
+    // holding machine code for compute capability `cap` and its PTX for newer GPUs (loaded by
+    // src/kv/kernels.rs).
     for name in ["quant", "decode"] {
         let status = Command::new(&nvcc)
             .args([
-                "--ptx",
+                "--fatbin",
                 "-O3",
                 "-std=c++17",
-                &format!("-arch=compute_{cap}"),
+                &format!("-gencode=arch=compute_{cap},code=sm_{cap}"),
+                &format!("-gencode=arch=compute_{cap},code=compute_{cap}"),
                 "-o",
             ])
-            .arg(out.join(format!("{name}.ptx")))
+            .arg(out.join(format!("{name}.fatbin")))
             .arg(format!("kernels/{name}.cu"))
             .status()
             .unwrap_or_else(|e| {

@@ -343,10 +343,12 @@ __device__ __forceinline__ void rotate_rows(float* x, const float* __restrict__ 
 //   - SIMT codes are read as x = 1 + c·2^-B, built from their bits by a shift and a logic op
 //     (no int → float conversion): Σ q·(s·c + b) = s'·Σ q·x + (b − s')·Σ q with s' = s·2^B,
 //     and likewise for V;
-//   - each lane looks up its position's block one tile ahead and asks L2 for the next tile's
-//     rows while it works on this one;
-//   - V loads are unconditional (a masked position reads slot 0 with weight 0), so they can
-//     all be issued before the first multiply-add.
+//   - each lane looks up its position's block two tiles ahead; the SIMT kernels ask L2 for the
+//     next tile's rows while they work on this one, the tensor-core kernels copy the next tile
+//     (codes, scales, biases) into shared memory with cp.async (two stages per warp), so their
+//     loads are short and off the critical path (K fragments by ldmatrix);
+//   - V loads are unconditional (a masked position reads zeros or slot 0 with weight 0), so
+//     they can all be issued before the first multiply-add.
 // q is read in the cache's element type and scaled here.
 #define QG 4
 #define QW 4
@@ -382,6 +384,62 @@ __device__ __forceinline__ void prefetch_span(const void* p, int bytes) {
     const char* c = reinterpret_cast<const char*>(p);
     prefetch_l2(c);
     if (((reinterpret_cast<uintptr_t>(c) & 31) + bytes) > 32) prefetch_l2(c + bytes - 1);
+}
+
+// Asynchronous global → shared copies (cp.async, sm_80+): a warp stages its next tile while it
+// computes on the current one. `ok` false copies nothing and zero-fills (positions past the end).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_small(void* dst, const void* src, bool ok) {
+    static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N), "r"(ok ? N : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Byte offset of byte `by` of row r (of 32) in a staged tile of HB-byte rows, swizzled in 16-byte
+// chunks so that both readers are free of bank conflicts:
+//   - ldmatrix (K codes): one chunk of 8 consecutive rows lands in 8 different 16-byte bank slots;
+//   - the V reads (rows r0, r0+2, r0+4, r0+6 at once, each lane a slice of one) spread over both
+//     halves (64-byte rows) or all quarters (32-byte rows) of the banks.
+template <int HB> __device__ __forceinline__ int stage_off(int r, int by) {
+    const int c = by >> 4, in = by & 15;
+    if (HB == 128) return r * 128 + ((c ^ (r & 7)) << 4) + in;
+    if (HB == 64) {
+        const int half = (r ^ (r >> 1)) & 1, x = (r >> 1) & 3;
+        return (r >> 1) * 128 + half * 64 + ((c ^ x) << 4) + in;
+    }
+    // HB == 32: rows r, r+2, r+4, r+6 fill one 128-byte line (quarter (r >> 1) & 3).
+    const int line = ((r >> 3) << 1) | (r & 1), qt = (r >> 1) & 3;
+    return line * 128 + qt * 32 + ((c ^ (r & 1)) << 4) + in;
+}
+
+// Lane L of the warp gets word (L & 3) of each 16-byte chunk of row row0 + (L >> 2) (the
+// layout of an mma B fragment): ldmatrix over CPR chunks of 8 rows.
+template <int HB> __device__ __forceinline__ void ldsm_rows(const unsigned char* base, int row0, int lane,
+                                                            uint32_t* w) {
+    constexpr int CPR = HB / 16;
+    if (CPR == 2) {
+        const unsigned a = (unsigned)__cvta_generic_to_shared(base + stage_off<HB>(row0 + (lane & 7), ((lane >> 3) & 1) << 4));
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                     : "=r"(w[0]), "=r"(w[1]) : "r"(a) : "memory");
+    } else {
+#pragma unroll
+        for (int i = 0; i < CPR / 4; i++) {
+            const int c = 4 * i + (lane >> 3);
+            const unsigned a = (unsigned)__cvta_generic_to_shared(base + stage_off<HB>(row0 + (lane & 7), c << 4));
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(w[4 * i]), "=r"(w[4 * i + 1]), "=r"(w[4 * i + 2]), "=r"(w[4 * i + 3])
+                         : "r"(a) : "memory");
+        }
+    }
 }
 
 // D = A·B + D for one m16n8k16 tile, f16 inputs, f32 accumulators.
@@ -539,6 +597,16 @@ __device__ __forceinline__ void qdecode_impl(
     constexpr int MT = D / 16;      // m-tiles of 16 dims
     constexpr int BPL = HB / 8;     // bytes per lane and position
     constexpr int VW = (BPL + 3) / 4;
+    // Staging (tensor-core kernels): each warp has two tiles of 32 rows in dynamic shared memory,
+    // [K codes | V codes | K scales | K biases | V scales | V biases], and copies the next tile
+    // with cp.async while it computes on this one. Scale rows of 2 bytes (one group, 16-bit
+    // type; cp.async needs 4) go through registers instead.
+    constexpr int CPR = HB / 16;                          // 16-byte chunks per code row
+    constexpr int CPG = MMA ? GS * B / 128 : 1;           // chunks per group
+    constexpr int CPW = 32 / B;                           // codes per 32-bit word
+    constexpr int SB = NG * (int)sizeof(T);               // bytes of a row's scales (or biases)
+    constexpr int STG = 32 * (2 * HB + 4 * SB);           // bytes of one staged tile
+    constexpr bool SREG = SB < 4;
     const unsigned FULL = 0xffffffffu;
     if (MMA) group = GS;
 
@@ -549,10 +617,20 @@ __device__ __forceinline__ void qdecode_impl(
     const int j0 = blockIdx.z * QG, gn = min(QG, G - j0);
     const int H = kvh * G;
 
-    __shared__ __align__(16) float q_s[QG][D];
+    // q and the warps' V totals: static for the SIMT kernels; the tensor-core kernels keep them
+    // in their staging memory (q before the first tile, each warp's totals in its own stages
+    // after its last).
+    __shared__ __align__(16) float q_st[MMA ? 1 : QG * D];
+    __shared__ __align__(16) float wacc_st[MMA ? 1 : QW * QG * D];
+    extern __shared__ __align__(16) unsigned char stage_s[];
+    float(*q_s)[D] = reinterpret_cast<float(*)[D]>(MMA ? reinterpret_cast<float*>(stage_s) : q_st);
+    auto wacc = [&](int w) -> float(*)[D] {
+        return reinterpret_cast<float(*)[D]>(MMA ? reinterpret_cast<float*>(stage_s + w * 2 * STG)
+                                                 : wacc_st + w * QG * D);
+    };
+    static_assert(!MMA || 2 * STG >= QG * D * 4, "a warp's stages hold its V totals");
     __shared__ float qsum_s[QG][NCH];
     __shared__ float wm_s[QW][QG], wl_s[QW][QG];
-    __shared__ __align__(16) float wacc_s[QW][QG][D];
     __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][4];  // q fragments: a0/a2, hi/lo
     __shared__ unsigned qmax_s;
     __shared__ int bad_s;
@@ -593,7 +671,10 @@ __device__ __forceinline__ void qdecode_impl(
         const float inv = ldexpf(1.f, -e);
         for (int i = tid; i < KST * 32; i += blockDim.x) {
             const int s = i / 32, l = i % 32, g = l >> 2, t = l & 3;
-            const int d0 = (s / KS) * GS + t * (GS / 4) + 4 * (s % KS);
+            // Lane t's j-th code word of a group is word t + 4j of the group (ldmatrix layout);
+            // k-step s uses codes 4·(s % KS).. of the lane's words of group s / KS.
+            const int u = 4 * (s % KS);
+            const int d0 = (s / KS) * GS + CPW * (t + 4 * (u / CPW)) + u % CPW;
             float v[4], hi[4], lo[4];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
@@ -652,35 +733,82 @@ __device__ __forceinline__ void qdecode_impl(
     if (!bad_seq) {
         uint32_t t0 = p0 + (uint32_t)warp * 32;
         const uint32_t stride = QW * 32;
-        uint32_t blk = block_of(t0 + lane), blk1 = block_of(t0 + stride + lane);
+        // Position p's head row, if it is inside the split and its block is in the pool.
+        auto locate = [&](uint32_t p, uint32_t blk, uint32_t& hr) -> bool {
+            if (p >= p1) return false;
+            if (blk >= nblk) {
+                bad_row = true;
+                return false;
+            }
+            hr = (blk * bs + p % bs) * nkv + kh;
+            return true;
+        };
+        // Staging: one tile's rows (this lane's position: hr, ok) into stage `buf`; zero-size
+        // copies for positions outside the split. Codes: CPR lanes per row, 16 bytes each;
+        // scales: one lane per row (into sreg when SREG, stored once the tile is due).
+        unsigned short sreg[4] = {0, 0, 0, 0};
+        auto stage = [&](int buf, uint32_t hr, bool ok) {
+            unsigned char* st = stage_s + (warp * 2 + buf) * STG;
+#pragma unroll
+            for (int i = 0; i < CPR; i++) {
+                const int idx = i * 32 + lane, r = idx / CPR, c = idx % CPR;
+                const uint32_t h = __shfl_sync(FULL, hr, r);
+                const bool o = __shfl_sync(FULL, ok, r);
+                cp_async16(st + stage_off<HB>(r, c * 16), kcb + (size_t)h * HB + c * 16, o);
+                cp_async16(st + 32 * HB + stage_off<HB>(r, c * 16), vcb + (size_t)h * HB + c * 16, o);
+            }
+            const T* src[4] = {ks, kb, vs, vb};
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                if constexpr (SREG) {
+                    sreg[a] = ok ? reinterpret_cast<const unsigned short*>(src[a])[hr] : 0;
+                } else {
+                    cp_async_small<(SREG ? 4 : SB)>(st + 64 * HB + (a * 32 + lane) * SB,
+                                                    src[a] + (size_t)hr * NG, ok);
+                }
+            }
+            cp_async_commit();
+        };
+        uint32_t blk1 = block_of(t0 + stride + lane);
+        uint32_t hrow = 0;
+        bool valid = locate(t0 + lane, block_of(t0 + lane), hrow);
+        int buf = 0;
+        if constexpr (MMA) stage(0, hrow, valid);
         for (; t0 < p1; t0 += stride) {
             const uint32_t p = t0 + lane;
-            bool valid = p < p1;
-            uint32_t hrow = 0;
-            if (valid) {
-                if (blk >= nblk) {
-                    bad_row = true;
-                    valid = false;
-                } else {
-                    hrow = (blk * bs + p % bs) * nkv + kh;
+            // The next tile: located now (its block ids were read a tile ago), staged (tensor
+            // cores) or asked into L2 (SIMT); the block ids of the one after.
+            uint32_t hrow_n = 0;
+            const bool valid_n = locate(p + stride, blk1, hrow_n);
+            blk1 = block_of(p + 2 * stride);
+            const unsigned char* st = stage_s + (warp * 2 + buf) * STG;
+            unsigned vmask = 0;
+            if constexpr (MMA) {
+                if constexpr (SREG) {
+                    unsigned short* d = reinterpret_cast<unsigned short*>(const_cast<unsigned char*>(st) + 64 * HB);
+#pragma unroll
+                    for (int a = 0; a < 4; a++) d[a * 32 + lane] = sreg[a];
                 }
+                if (t0 + stride < p1) stage(buf ^ 1, hrow_n, valid_n);
+                else cp_async_commit();
+                cp_async_wait<1>();
+                __syncwarp();
+                vmask = __ballot_sync(FULL, valid);
+            } else if (valid_n) {
+                prefetch_span(kcb + (size_t)hrow_n * HB, HB);
+                prefetch_span(vcb + (size_t)hrow_n * HB, HB);
+                const int gb = (int)(hg * sizeof(T));
+                prefetch_span(ks + (size_t)hrow_n * hg, gb);
+                prefetch_span(kb + (size_t)hrow_n * hg, gb);
+                prefetch_span(vs + (size_t)hrow_n * hg, gb);
+                prefetch_span(vb + (size_t)hrow_n * hg, gb);
             }
-            // The next tile: its rows into L2 now; the one after: its block ids.
-            {
-                const uint32_t pn = p + stride;
-                if (pn < p1 && blk1 < nblk) {
-                    const uint32_t hn = (blk1 * bs + pn % bs) * nkv + kh;
-                    prefetch_span(kcb + (size_t)hn * HB, HB);
-                    prefetch_span(vcb + (size_t)hn * HB, HB);
-                    const int gb = (int)(hg * sizeof(T));
-                    prefetch_span(ks + (size_t)hn * hg, gb);
-                    prefetch_span(kb + (size_t)hn * hg, gb);
-                    prefetch_span(vs + (size_t)hn * hg, gb);
-                    prefetch_span(vb + (size_t)hn * hg, gb);
-                }
-                blk = blk1;
-                blk1 = block_of(pn + stride);
-            }
+            const unsigned char* sK = st;
+            const unsigned char* sV = st + 32 * HB;
+            const T* sKS = reinterpret_cast<const T*>(st + 64 * HB);
+            const T* sKB = sKS + 32 * NG;
+            const T* sVS = sKB + 32 * NG;
+            const T* sVB = sVS + 32 * NG;
             const uint32_t vrow = valid ? hrow : 0xffffffffu;
             // SIMT: pj[j] = weight of this lane's position for head j. Tensor cores: pm[ν][e] =
             // weight of position 8ν + 2·tq + e for head gq (lanes gq < QG).
@@ -749,46 +877,22 @@ __device__ __forceinline__ void qdecode_impl(
                     m_w[j] = m_new;
                 }
             } else {
-                // 1. scores S = Q·Kᵀ by tensor cores, n-tile ν = positions 8ν..8ν+7 of the tile.
-                // A lane reads its quarter of each group of position 8ν + gq's row, one n-tile
-                // at a time (the L2 prefetch has the rows close; holding all four n-tiles' words
-                // would spill).
+                // 1. scores S = Q·Kᵀ by tensor cores, n-tile ν = positions 8ν..8ν+7 of the tile,
+                // from the staged tile: a lane's words of position 8ν + gq's row by ldmatrix.
+                static_assert(WPL == CPR, "a lane holds one word of each chunk of its row");
                 uint32_t w[WPL];
-                auto load_row = [&](int nu, uint32_t* dst0) {
-                    const uint32_t sr = __shfl_sync(FULL, vrow, 8 * nu + gq);
-                    const unsigned char* row = kcb + (size_t)(sr == 0xffffffffu ? 0 : sr) * HB;
-#pragma unroll
-                    for (int gi = 0; gi < NG; gi++) {
-                        const unsigned char* src = row + gi * (GS * B / 8) + tq * QWB;
-                        uint32_t* dst = dst0 + gi * QWB / 4;
-                        if (QWB == 4) {
-                            dst[0] = *reinterpret_cast<const uint32_t*>(src);
-                        } else if (QWB == 8) {
-                            const uint2 x = *reinterpret_cast<const uint2*>(src);
-                            dst[0] = x.x; dst[1] = x.y;
-                        } else {
-#pragma unroll
-                            for (int i = 0; i < QWB / 16; i++) {
-                                const uint4 x = reinterpret_cast<const uint4*>(src)[i];
-                                dst[4 * i] = x.x; dst[4 * i + 1] = x.y; dst[4 * i + 2] = x.z; dst[4 * i + 3] = x.w;
-                            }
-                        }
-                    }
-                };
                 float sv[4][2];
 #pragma unroll
                 for (int nu = 0; nu < 4; nu++) {
                     // Scales and biases of the two positions of this lane's C fragment.
-                    uint32_t sr[2];
                     float sc[2][NG], bi[2][NG];
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        sr[e] = __shfl_sync(FULL, vrow, 8 * nu + 2 * tq + e);
-                        const size_t at = (size_t)(sr[e] == 0xffffffffu ? 0 : sr[e]) * NG;
-                        load_groups<T, NG>(ks + at, sc[e]);
-                        load_groups<T, NG>(kb + at, bi[e]);
+                        const int r = 8 * nu + 2 * tq + e;
+                        load_groups<T, NG>(sKS + r * NG, sc[e]);
+                        load_groups<T, NG>(sKB + r * NG, bi[e]);
                     }
-                    load_row(nu, w);
+                    ldsm_rows<HB>(sK, 8 * nu, lane, w);
                     const uint32_t* wn = w;
                     float c[NG][4];
 #pragma unroll
@@ -810,7 +914,7 @@ __device__ __forceinline__ void qdecode_impl(
                         float acc_s = 0.f;
 #pragma unroll
                         for (int gi = 0; gi < NG; gi++) acc_s += sc[e][gi] * qexp * c[gi][e] + bi[e][gi] * qsg[gi];
-                        sv[nu][e] = sr[e] == 0xffffffffu ? neg_inf() : acc_s;
+                        sv[nu][e] = (vmask >> (8 * nu + 2 * tq + e)) & 1 ? acc_s : neg_inf();
                     }
                 }
                 // 2. online softmax: head gq's 32 scores sit in lanes 4gq..4gq+3.
@@ -858,9 +962,9 @@ __device__ __forceinline__ void qdecode_impl(
                     }
                 }
             }
-            // 3. V. A masked position has weight 0 and reads slot 0 (scale and bias zeroed, so
-            // nothing non-finite enters).
-if constexpr (VMMA) {
+            // 3. V. A masked position has weight 0, and its scale and bias are taken as 0 (its
+            // staged bytes are zeros, the SIMT kernels read slot 0), so nothing non-finite enters.
+            if constexpr (VMMA) {
                 // Two k-tiles of 16 positions: this lane's positions 2tq, 2tq+1, 2tq+8, 2tq+9
                 // of each (weights from lanes 4·(gq%4) + tq, the C layout of the scores).
                 const uint32_t cmask = 0x000F000Fu * (B == 4) + 0x00FF00FFu * (B == 8);
@@ -881,10 +985,8 @@ if constexpr (VMMA) {
 #pragma unroll
                     for (int k = 0; k < 4; k++) {
                         const int r = 16 * kt + 2 * tq + (k & 1) + 8 * (k >> 1);
-                        const uint32_t sr = __shfl_sync(FULL, vrow, r);
-                        const bool ok = sr != 0xffffffffu;
-                        const uint32_t hr = ok ? sr : 0;
-                        const unsigned char* src_b = vcb + (size_t)hr * HB + gq * BPL;
+                        const bool ok = (vmask >> r) & 1;
+                        const unsigned char* src_b = sV + stage_off<HB>(r, gq * BPL);
                         if (BPL == 4) {
                             x[k][0] = *reinterpret_cast<const uint32_t*>(src_b);
                         } else if (BPL == 8) {
@@ -894,9 +996,9 @@ if constexpr (VMMA) {
                             const uint4 v4 = *reinterpret_cast<const uint4*>(src_b);
                             x[k][0] = v4.x; x[k][1] = v4.y; x[k][2] = v4.z; x[k][3] = v4.w;
                         }
-                        const size_t at = (size_t)hr * NG + (col_ok ? gam : 0);
-                        const float sc = ok && col_ok ? to_f(vs[at]) : 0.f;
-                        const float bi = ok && col_ok ? to_f(vb[at]) : 0.f;
+                        const int at = r * NG + (col_ok ? gam : 0);
+                        const float sc = ok && col_ok ? to_f(sVS[at]) : 0.f;
+                        const float bi = ok && col_ok ? to_f(sVB[at]) : 0.f;
                         pp[k] = pw[k] * sc;
                         accb_c = fmaf(pw[k], bi, accb_c);
                     }
@@ -945,13 +1047,13 @@ if constexpr (VMMA) {
                     }
                 }
             } else {
-    #pragma unroll
+#pragma unroll
                 for (int st = 0; st < 32 / RPS; st++) {
                     int r;
                     float pr[QG];
                     if constexpr (!MMA) {
                         r = st * RPS + rsub;
-    #pragma unroll
+#pragma unroll
                         for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pj[j], r);
                     } else {
                         // Positions 8ν + e + 2t whose weights sit in the same register of lanes
@@ -960,29 +1062,48 @@ if constexpr (VMMA) {
                         const int t1 = st % TS, e = (st / TS) % 2, nu = st / (2 * TS);
                         const int t = t1 + TS * rsub;
                         r = 8 * nu + e + 2 * t;
-    #pragma unroll
+#pragma unroll
                         for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pm[nu][e], 4 * j + t);
                     }
-                    const uint32_t sr = __shfl_sync(FULL, vrow, r);
-                    const bool ok = sr != 0xffffffffu;
-                    const uint32_t hr = ok ? sr : 0;
-                    const uint64_t win = load_codes8<B>(vcb + (size_t)hr * HB + c8 * B);
-                    const size_t gidx = (size_t)hr * hg + (c8 * 8) / group;
-                    const float sc = ok ? to_f(vs[gidx]) * TWO_B : 0.f, bi = ok ? to_f(vb[gidx]) : 0.f;
+                    bool ok;
+                    uint64_t win;
+                    float sc, bi;
+                    if constexpr (MMA) {  // from the staged tile
+                        ok = (vmask >> r) & 1;
+                        win = load_codes8<B>(sV + stage_off<HB>(r, c8 * B));
+                        const int gidx = r * NG + (c8 * 8) / GS;
+                        sc = ok ? to_f(sVS[gidx]) * TWO_B : 0.f;
+                        bi = ok ? to_f(sVB[gidx]) : 0.f;
+                    } else {
+                        const uint32_t sr = __shfl_sync(FULL, vrow, r);
+                        ok = sr != 0xffffffffu;
+                        const uint32_t hr = ok ? sr : 0;
+                        win = load_codes8<B>(vcb + (size_t)hr * HB + c8 * B);
+                        const size_t gidx = (size_t)hr * hg + (c8 * 8) / group;
+                        sc = ok ? to_f(vs[gidx]) * TWO_B : 0.f;
+                        bi = ok ? to_f(vb[gidx]) : 0.f;
+                    }
                     const uint32_t ww[3] = {(uint32_t)win, (uint32_t)(win >> 32), 0u};
                     float x[8];
-    #pragma unroll
+#pragma unroll
                     for (int k = 0; k < 8; k++) x[k] = frac_at<B>(ww, k);
-    #pragma unroll
+#pragma unroll
                     for (int j = 0; j < QG; j++) {
                         const float ps = pr[j] * sc;
                         accb[j] = fmaf(pr[j], bi - sc, accb[j]);
-    #pragma unroll
+#pragma unroll
                         for (int k = 0; k < 8; k++) acc[j][k] = fmaf(ps, x[k], acc[j][k]);
                     }
                 }
             }
+            if constexpr (MMA) {
+                __syncwarp();  // this stage is read; the next iteration stages into it
+                buf ^= 1;
+            }
+            hrow = hrow_n;
+            valid = valid_n;
         }
+        if constexpr (MMA) cp_async_wait<0>();  // nothing lands after the stages turn into wacc
     }
     // The warp's totals: l over the lanes holding a head's weights, V over the lanes that share
     // a column slice.
@@ -1011,10 +1132,10 @@ if constexpr (VMMA) {
 #pragma unroll
             for (int i = 0; i < MT; i++) {
                 const int d0 = B == 4 ? 2 * (gq * BPL + i) : gq * BPL + 2 * i;
-                wacc_s[warp][h0][d0] = cv[i][0] + bc0;
-                wacc_s[warp][h0 + 1][d0] = cv[i][1] + bc1;
-                wacc_s[warp][h0][d0 + 1] = cv[i][2] + bc0;
-                wacc_s[warp][h0 + 1][d0 + 1] = cv[i][3] + bc1;
+                wacc(warp)[h0][d0] = cv[i][0] + bc0;
+                wacc(warp)[h0 + 1][d0] = cv[i][1] + bc1;
+                wacc(warp)[h0][d0 + 1] = cv[i][2] + bc0;
+                wacc(warp)[h0 + 1][d0 + 1] = cv[i][3] + bc1;
             }
         }
     } else {
@@ -1035,7 +1156,7 @@ if constexpr (VMMA) {
 #pragma unroll
             for (int j = 0; j < QG; j++)
 #pragma unroll
-                for (int k = 0; k < 8; k++) wacc_s[warp][j][c8 * 8 + k] = acc[j][k] + accb[j];
+                for (int k = 0; k < 8; k++) wacc(warp)[j][c8 * 8 + k] = acc[j][k] + accb[j];
         }
     }
     if (bad_row) bad_s = 1;
@@ -1061,7 +1182,7 @@ if constexpr (VMMA) {
 #pragma unroll
             for (int w = 0; w < QW; w++) {
                 const float e = __expf(wm_s[w][j] - M);
-                num += e * wacc_s[w][j][dd];
+                num += e * wacc(w)[j][dd];
                 den += e * wl_s[w][j];
             }
         }
@@ -1083,7 +1204,7 @@ if constexpr (VMMA) {
     if (!last_s) return;
     __threadfence();
     const size_t hstride = (size_t)Bn * H;  // one split's stride, in heads
-    float* o_s = &wacc_s[0][0][0];           // [QG][D]
+    float* o_s = &wacc(0)[0][0];             // [QG][D]
     // Each thread owns IT (head, dim) outputs.
     constexpr int IT = QG * D / (QW * 32);
     const size_t hb = (size_t)b * H + (size_t)kh * G + j0;

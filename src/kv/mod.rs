@@ -5,6 +5,8 @@
 pub mod attention;
 pub mod cache;
 pub mod decode;
+#[cfg(feature = "cuda")]
+pub(crate) mod kernels;
 pub mod layer;
 pub mod prompt_cache;
 pub mod quant;

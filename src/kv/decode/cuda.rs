@@ -2,9 +2,10 @@
 //! (sequence × KV head, position split, query-head chunk), then `decode_merge`.
 
 use super::Dims;
+use crate::kv::kernels::{kernel, Module};
 use crate::kv::layer::LayerKv;
 use crate::kv::rotation::Rotation;
-use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
 };
@@ -15,8 +16,6 @@ use half::{bf16, f16};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
-const MODULE: &str = "kvq_decode";
 /// Must match NT, TILE and MAXG in decode.cu.
 const THREADS: u32 = 128;
 const TILE: usize = 128;
@@ -27,6 +26,16 @@ const TARGET_BLOCKS: usize = 512;
 const QG: usize = 4;
 /// Largest head_dim the shared-memory layout is sized for (stays under 48 KiB).
 const MAX_HEAD_DIM: usize = 512;
+/// Warps per block of the warp kernels (QW in decode.cu).
+const QW: usize = 4;
+
+/// Dynamic shared memory of a tensor-core kernel: per warp two staged tiles of 32 rows, each row
+/// its K and V codes and its K and V scales and biases (STG in decode.cu).
+fn stage_bytes(head_dim: usize, bits: usize, group: usize, scale_bytes: usize) -> usize {
+    let codes = head_dim * bits / 8;
+    let scales = head_dim / group * scale_bytes;
+    QW * 2 * 32 * (2 * codes + 4 * scales)
+}
 
 /// Streaming multiprocessors of the device (asked once; every GPU of a host is alike here).
 fn sm_count(dev: &CudaDevice) -> usize {
@@ -39,9 +48,10 @@ fn sm_count(dev: &CudaDevice) -> usize {
     })
 }
 
-/// Blocks of a warp kernel resident per SM (registers decide; asked once per kernel): its grid
+/// Blocks of a warp kernel resident per SM (registers and shared memory decide; asked once per
+/// kernel and device, which is also allowed `smem` bytes of dynamic shared memory then): its grid
 /// aims at one full wave.
-fn resident_blocks(f: &CudaFunction, name: &str) -> Result<usize> {
+fn resident_blocks(f: &CudaFunction, name: &str, smem: usize) -> Result<usize> {
     static N: std::sync::OnceLock<Mutex<HashMap<String, usize>>> = std::sync::OnceLock::new();
     let mut m = N
         .get_or_init(Default::default)
@@ -50,8 +60,15 @@ fn resident_blocks(f: &CudaFunction, name: &str) -> Result<usize> {
     if let Some(&n) = m.get(name) {
         return Ok(n);
     }
+    if smem > 0 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+    }
     let n = f
-        .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
         .w()? as usize;
     m.insert(name.to_string(), n.max(1));
     Ok(n.max(1))
@@ -171,9 +188,21 @@ pub(super) fn decode(
         }
     };
     let cdev = q.device().as_cuda_device()?;
-    let f = cdev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let f = kernel(cdev, Module::Decode, &name)?;
+    let smem = match kv {
+        LayerKv::Affine { kfmt, k, .. } if mma_kernel => stage_bytes(
+            d,
+            kfmt.bits() as usize,
+            kfmt.group_size(),
+            k.scales.dtype().size_in_bytes(),
+        ),
+        _ => 0,
+    };
     let (chunk, target) = if warp_kernel {
-        (QG, resident_blocks(&f, &name)? * sm_count(cdev))
+        (
+            QG,
+            resident_blocks(&f, &format!("{name}@{:?}", cdev.id()), smem)? * sm_count(cdev),
+        )
     } else {
         (MAXG, TARGET_BLOCKS)
     };
@@ -219,7 +248,7 @@ pub(super) fn decode(
     let part_acc: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * d)? };
     let part_ml: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * 2)? };
     let smem = if warp_kernel {
-        0 // static
+        smem // staging of the tensor-core kernels; the rest is static
     } else {
         4 * (MAXG * d + MAXG * (d / 32) + MAXG * TILE + TILE + MAXG * d)
     };
@@ -407,10 +436,10 @@ fn merge(
         block_dim: (d.min(256) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let merge = dev.get_or_load_custom_func(
+    let merge = kernel(
+        dev,
+        Module::Decode,
         &format!("decode_merge_{}", dtype_name(q_dtype)?),
-        MODULE,
-        PTX,
     )?;
     macro_rules! merge {
         ($t:ty) => {{

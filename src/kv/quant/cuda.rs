@@ -8,8 +8,8 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/quant.ptx"));
-const MODULE: &str = "kvq_quant";
+use crate::kv::kernels::{kernel, Module};
+
 const THREADS: u32 = 256;
 /// Chunks of 8 values per quantize thread (`KVQ_Q_UNROLL` in kernels/quant.cu).
 const QUANT_UNROLL: usize = 4;
@@ -83,7 +83,7 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
         let scales = unsafe { dev.alloc::<T>(rows * fmt.groups_per_row(d))? };
         let biases = unsafe { dev.alloc::<T>(rows * fmt.groups_per_row(d))? };
         let name = format!("quantize_{}_b{}", dtype_name(x.dtype())?, fmt.bits());
-        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
         let mut b = f.builder();
         b.arg(&xs)
@@ -174,7 +174,7 @@ pub(super) fn quantize_into_rows(
         let (rst, r1, r2) = cuda_parts(rows)?;
         let rows_dev = as_cuda(&rst)?.as_cuda_slice::<u32>()?.slice(r1..r2);
         let name = format!("quantize_rows_{}_b{}", dtype_name(x.dtype())?, fmt.bits());
-        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);
         let mut b = f.builder();
         b.arg(&xs)
@@ -223,7 +223,7 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
         let n = (s2 - s1) * fmt.group_size();
         let out = unsafe { dev.alloc::<T>(n)? };
         let name = format!("dequantize_{}_b{}", dtype_name(scales.dtype())?, fmt.bits());
-        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
         let mut b = f.builder();
         b.arg(&cv)

@@ -1,0 +1,91 @@
+//! kvq's CUDA kernels (`kernels/*.cu`), built by build.rs as fat binaries: machine code for the
+//! build's GPU (CUDA_COMPUTE_CAP) plus PTX that the driver compiles for newer ones. Shipping
+//! machine code matters: the driver's JIT took over a minute on the decode kernels' PTX the
+//! first time a process used them on a fresh machine.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
+use candle_core::Result;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// A kernel file.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) enum Module {
+    /// kernels/quant.cu: quantization into the pool's formats.
+    Quant,
+    /// kernels/decode.cu: decode attention over the paged pool.
+    Decode,
+}
+
+impl Module {
+    fn image(self) -> &'static [u8] {
+        match self {
+            Module::Quant => include_bytes!(concat!(env!("OUT_DIR"), "/quant.fatbin")),
+            Module::Decode => include_bytes!(concat!(env!("OUT_DIR"), "/decode.fatbin")),
+        }
+    }
+}
+
+/// A loaded kernel and the device's stream it launches on.
+#[derive(Clone)]
+pub(crate) struct Kernel {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl Kernel {
+    pub(crate) fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+}
+
+impl std::ops::Deref for Kernel {
+    type Target = CudaFunction;
+    fn deref(&self) -> &CudaFunction {
+        &self.func
+    }
+}
+
+type Modules = HashMap<(DeviceId, Module), Arc<CudaModule>>;
+type Kernels = HashMap<(DeviceId, Module, String), Kernel>;
+
+/// Kernel `name` of `module` on `dev`; modules are loaded once per device and kernels looked up
+/// once (launches then skip the driver's name lookup).
+pub(crate) fn kernel(dev: &CudaDevice, module: Module, name: &str) -> Result<Kernel> {
+    static MODULES: OnceLock<Mutex<Modules>> = OnceLock::new();
+    static KERNELS: OnceLock<Mutex<Kernels>> = OnceLock::new();
+    let key = (dev.id(), module, name.to_string());
+    let mut kernels = KERNELS
+        .get_or_init(Default::default)
+        .lock()
+        .expect("poisoned kernel cache");
+    if let Some(k) = kernels.get(&key) {
+        return Ok(k.clone());
+    }
+    let md = {
+        let mut modules = MODULES
+            .get_or_init(Default::default)
+            .lock()
+            .expect("poisoned module cache");
+        match modules.get(&(dev.id(), module)) {
+            Some(m) => m.clone(),
+            None => {
+                let stream = dev.cuda_stream();
+                let m = stream
+                    .context()
+                    .load_module(Ptx::from_binary(module.image().to_vec()))
+                    .w()?;
+                modules.insert((dev.id(), module), m.clone());
+                m
+            }
+        }
+    };
+    let k = Kernel {
+        func: md.load_function(name).w()?,
+        stream: dev.cuda_stream(),
+    };
+    kernels.insert(key, k.clone());
+    Ok(k)
+}

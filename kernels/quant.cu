@@ -145,6 +145,72 @@ __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ cod
     store8(out + t * 8, v);
 }
 
+// The rotated scheme (src/kv/rotation.rs) fused into the cache write: each head vector x of D
+// values is rotated as (s ⊙ x)·H/√D by a fast Walsh–Hadamard transform over the D/8 lanes that
+// hold it (three butterfly stages in registers, the rest by xor shuffles), rounded to the pool's
+// type as the unfused path's cast does, then quantized and written as quantize_rows does. Lanes
+// past the end compute on zeros and store nothing (every lane takes part in the shuffles).
+template <typename IT, typename T, int B, int D>
+__device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint32_t* __restrict__ codes,
+                                                  T* __restrict__ scales, T* __restrict__ biases,
+                                                  uint64_t nchunks, int group, const uint32_t* __restrict__ rows,
+                                                  uint64_t cpr, const float* __restrict__ signs) {
+    const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int lv = (int)(t % (D / 8));  // this chunk's place in its head vector
+    float v[8];
+    if (t < nchunks) {
+        load8(x + t * 8, v);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = __fmul_rn(v[k], signs[lv * 8 + k]);
+#pragma unroll
+    for (int h = 1; h < 8; h <<= 1)
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            if ((k & h) == 0) {
+                const float a = v[k], b = v[k + h];
+                v[k] = __fadd_rn(a, b);
+                v[k + h] = __fsub_rn(a, b);
+            }
+#pragma unroll
+    for (int m = 1; m < D / 8; m <<= 1)
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float o = __shfl_xor_sync(0xffffffffu, v[k], m);
+            v[k] = (lv & m) ? __fsub_rn(o, v[k]) : __fadd_rn(v[k], o);
+        }
+    const float nrm = (float)(1.0 / sqrt((double)D));
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = to_f(from_f<T>(__fmul_rn(v[k], nrm)));
+    const int lanes = group / 8;
+    float mn = v[0], mx = v[0];
+#pragma unroll
+    for (int k = 1; k < 8; k++) { mn = fminf(mn, v[k]); mx = fmaxf(mx, v[k]); }
+    for (int off = lanes / 2; off > 0; off >>= 1) {
+        mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    }
+    if (t < nchunks) {
+        const uint64_t to = (uint64_t)rows[t / cpr] * cpr + t % cpr;
+        quantize_chunk<T, B>(v, mn, mx, to, lanes, codes, scales, biases);
+    }
+}
+
+// K and V of a step in one launch (grid y: 0 = K, 1 = V), input IT (f32 or the pool's type),
+// head_dim D: quantize_rot_rows_<input>_<pool>_b<bits>_d<D>.
+#define KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, D)                                                    \
+    extern "C" __global__ void quantize_rot_rows_##INAME##_##TNAME##_b##B##_d##D(                   \
+        const IT* xk, const IT* xv, uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb,         \
+        uint64_t nchunks, int group, const uint32_t* rows, uint64_t cpr, const float* signs) {     \
+        if (blockIdx.y == 0)                                                                        \
+            quantize_rot_impl<IT, T, B, D>(xk, kc, ks, kb, nchunks, group, rows, cpr, signs);       \
+        else                                                                                        \
+            quantize_rot_impl<IT, T, B, D>(xv, vc, vs, vb, nchunks, group, rows, cpr, signs);       \
+    }
+
 #define KVQ_QUANT(TNAME, T, B)                                                                      \
     extern "C" __global__ void quantize_##TNAME##_b##B(const T* x, uint32_t* codes, T* scales,     \
                                                        T* biases, uint64_t nchunks, int group) {    \
@@ -161,6 +227,12 @@ __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ cod
         dequantize_impl<T, B>(codes, scales, biases, out, nchunks, group);                          \
     }
 
+#define KVQ_ROT_D(INAME, IT, TNAME, T, B)                                                           \
+    KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, 64) KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, 128)
+#define KVQ_ROT_ALL(INAME, IT, TNAME, T)                                                             \
+    KVQ_ROT_D(INAME, IT, TNAME, T, 2) KVQ_ROT_D(INAME, IT, TNAME, T, 3)                             \
+    KVQ_ROT_D(INAME, IT, TNAME, T, 4) KVQ_ROT_D(INAME, IT, TNAME, T, 5)                             \
+    KVQ_ROT_D(INAME, IT, TNAME, T, 6) KVQ_ROT_D(INAME, IT, TNAME, T, 8)
 #define KVQ_ALL_BITS(TNAME, T) \
     KVQ_QUANT(TNAME, T, 2) KVQ_QUANT(TNAME, T, 3) KVQ_QUANT(TNAME, T, 4) \
     KVQ_QUANT(TNAME, T, 5) KVQ_QUANT(TNAME, T, 6) KVQ_QUANT(TNAME, T, 8)
@@ -168,3 +240,9 @@ __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ cod
 KVQ_ALL_BITS(f32, float)
 KVQ_ALL_BITS(f16, __half)
 KVQ_ALL_BITS(bf16, __nv_bfloat16)
+// Rotated writes: f32 input into every pool type, and f16 / bf16 input into a pool of its type.
+KVQ_ROT_ALL(f32, float, f32, float)
+KVQ_ROT_ALL(f32, float, f16, __half)
+KVQ_ROT_ALL(f32, float, bf16, __nv_bfloat16)
+KVQ_ROT_ALL(f16, __half, f16, __half)
+KVQ_ROT_ALL(bf16, __nv_bfloat16, bf16, __nv_bfloat16)

@@ -316,3 +316,110 @@ fn quantize_into_rows_scatters_exact_rows() {
 fn cuda_quantize_into_rows_scatters_exact_rows() {
     check_into_rows(&Device::new_cuda(0).expect("a CUDA device"));
 }
+
+/// The fused rotate-and-quantize write against rotating (matmul) then quantizing: the two
+/// rotations differ only in rounding, so codes agree except at rounding boundaries and every
+/// dequantized value within one code step; slots not written stay untouched.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
+    use kvq::kv::rotation::Rotation;
+    let dev = Device::new_cuda(0).expect("a CUDA device");
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+    for (nbits, g, dtype, hd, kvh) in [
+        (4, 64, DType::F16, 128, 2),
+        (8, 32, DType::BF16, 64, 3),
+        (3, 128, DType::F32, 128, 1),
+        (2, 32, DType::F16, 64, 2),
+        (4, 128, DType::F16, 64, 2),
+        (5, 64, DType::F32, 64, 1),
+        (6, 32, DType::F16, 128, 1),
+    ] {
+        let fmt = QuantFormat::new(nbits, g).unwrap();
+        let width = kvh * hd;
+        let rot = Rotation::new(hd, 7, &dev).unwrap();
+        let slots = 12usize;
+        let pool = || {
+            let zeros = |cols: usize, dt: DType| Tensor::zeros((slots, cols), dt, &dev).unwrap();
+            Quantized {
+                codes: zeros(fmt.words_per_row(width), DType::U32),
+                scales: zeros(fmt.groups_per_row(width), dtype),
+                biases: zeros(fmt.groups_per_row(width), dtype),
+            }
+        };
+        // Rows in f32, and in the pool's dtype (the model's activations on the GPU).
+        let inputs = if dtype == DType::F32 {
+            vec![DType::F32]
+        } else {
+            vec![DType::F32, dtype]
+        };
+        for in_dtype in inputs {
+            let (fk, fv, rk, rv) = (pool(), pool(), pool(), pool());
+            let rows = SlotRows::new(vec![3, 4, 5, 9, 1, 0]);
+            let xk = sample(&[6, width], in_dtype, 2.0).to_device(&dev).unwrap();
+            let xv = sample(&[6, width], in_dtype, 0.5).to_device(&dev).unwrap();
+            quant::quantize_rotated_into_rows(&xk, &xv, fmt, &fk, &fv, &rows, rot.signs(), hd)
+                .unwrap();
+            quant::quantize_into_rows(&rot.rotate(&xk).unwrap(), fmt, &rk, &rows).unwrap();
+            quant::quantize_into_rows(&rot.rotate(&xv).unwrap(), fmt, &rv, &rows).unwrap();
+            let case =
+                format!("bits {nbits} g {g} {in_dtype:?} into {dtype:?} head_dim {hd} x{kvh}");
+            for (got, want) in [(&fk, &rk), (&fv, &rv)] {
+                let (gc, wc) = (bits(&cpu(&got.codes)), bits(&cpu(&want.codes)));
+                let same_words = gc.iter().zip(&wc).filter(|(a, b)| a == b).count();
+                assert!(
+                    same_words * 10 >= gc.len() * 9,
+                    "{case}: only {same_words} of {} code words agree",
+                    gc.len()
+                );
+                let deq = |q: &Quantized| {
+                    let q = Quantized {
+                        codes: cpu(&q.codes),
+                        scales: cpu(&q.scales),
+                        biases: cpu(&q.biases),
+                    };
+                    let d = quant::dequantize(&q, fmt).unwrap();
+                    d.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap()
+                };
+                let steps = cpu(&want.scales)
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                let (a, b) = (deq(got), deq(want));
+                for slot in 0..slots {
+                    for i in 0..width {
+                        let step = steps[slot][i / g].abs();
+                        let diff = (a[slot][i] - b[slot][i]).abs();
+                        assert!(
+                            diff <= step * 1.01 + 1e-5,
+                            "{case}: slot {slot} value {i}: {} vs {} (step {step})",
+                            a[slot][i],
+                            b[slot][i]
+                        );
+                    }
+                }
+                for slot in [2usize, 6, 7, 8, 10, 11] {
+                    assert!(
+                        gc[slot * fmt.words_per_row(width)..(slot + 1) * fmt.words_per_row(width)]
+                            .iter()
+                            .all(|&w| w == 0),
+                        "{case}: slot {slot} touched"
+                    );
+                }
+            }
+        }
+        let (fk, fv) = (pool(), pool());
+        let rows = SlotRows::new(vec![3, 4, 5, 9, 1, 0]);
+        let xk = sample(&[6, width], DType::F32, 1.0)
+            .to_device(&dev)
+            .unwrap();
+        let xv = xk.clone();
+        let e = quant::quantize_rotated_into_rows(
+            &xk, &xv, fmt, &fk, &fv, &rows, &xk, // signs that are not one head vector
+            hd,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("signs"), "{e}");
+    }
+}

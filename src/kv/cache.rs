@@ -431,15 +431,9 @@ impl PagedKvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
-        let mut rotated = None;
-        if let Some(r) = self.rotation(layer, true) {
-            if spans
-                .iter()
-                .any(|&(id, ..)| self.seqs.get(&id).is_some_and(|s| s.pool == Pool::Main))
-            {
-                rotated = Some((r.rotate(k)?, r.rotate(v)?));
-            }
-        }
+        // The main pool's rows are rotated on the way in (fused with the quantization where a
+        // kernel does both); staging keeps them as they are.
+        let rot = self.rotation(layer, true);
         // Per pool: which rows of k/v go to which slots, so each pool takes one write per
         // layer (one fused launch per tensor on CUDA) instead of one per sequence and block.
         let bs = self.cfg.block_size;
@@ -471,10 +465,6 @@ impl PagedKvCache {
                 Some(s) => s.clone(),
                 None => Arc::new(SlotRows::new(dst)),
             };
-            let (k, v) = match (&rotated, pool) {
-                (Some((rk, rv)), Pool::Main) => (rk, rv),
-                _ => (k, v),
-            };
             let (k, v) =
                 if src.len() == total && src.iter().enumerate().all(|(i, &r)| r == i as u32) {
                     (k.clone(), v.clone())
@@ -482,7 +472,11 @@ impl PagedKvCache {
                     let idx = Tensor::from_slice(&src, src.len(), k.device())?;
                     (k.index_select(&idx, 0)?, v.index_select(&idx, 0)?)
                 };
-            self.pool(pool).layers[layer].write_slots(&slots, &k, &v)?;
+            let dst = &self.pool(pool).layers[layer];
+            match (rot, pool) {
+                (Some(r), Pool::Main) => dst.write_slots_rotated(&slots, &k, &v, r)?,
+                _ => dst.write_slots(&slots, &k, &v)?,
+            }
             used.push(slots);
         }
         *last = used;

@@ -8,8 +8,10 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::quant::{
-    dequantize, quantize_into_rows, quantize_rows_into, slot_runs, QuantFormat, Quantized, SlotRows,
+    dequantize, fused_rotation, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into,
+    slot_runs, QuantFormat, Quantized, SlotRows,
 };
+use super::rotation::Rotation;
 
 /// The element format of a layer's blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,6 +165,44 @@ impl LayerKv {
                 Ok(())
             }
         }
+    }
+
+    /// [`LayerKv::write_slots`] of `k`, `v` rotated by `rot` (the rotated scheme): one fused
+    /// rotate-and-quantize launch for both where there is one ([`fused_rotation`]), else the
+    /// rotation as a matmul and then the write.
+    pub fn write_slots_rotated(
+        &self,
+        rows: &SlotRows,
+        k: &Tensor,
+        v: &Tensor,
+        rot: &Rotation,
+    ) -> Result<()> {
+        if let LayerKv::Affine {
+            kfmt,
+            vfmt,
+            k: qk,
+            v: qv,
+            ..
+        } = self
+        {
+            if kfmt == vfmt
+                && qk.scales.dtype() == qv.scales.dtype()
+                && k.dtype() == v.dtype()
+                && fused_rotation(k, qk.scales.dtype(), rot.head_dim())
+            {
+                return quantize_rotated_into_rows(
+                    k,
+                    v,
+                    *kfmt,
+                    qk,
+                    qv,
+                    rows,
+                    rot.signs(),
+                    rot.head_dim(),
+                );
+            }
+        }
+        self.write_slots(rows, &rot.rotate(k)?, &rot.rotate(v)?)
     }
 
     /// K and V of `slots` (u32 `[n]`) as dense `[n, width]` tensors of `dtype` — quantized

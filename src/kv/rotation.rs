@@ -72,6 +72,10 @@ impl Rotation {
         &self.signs
     }
 
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     /// Rotates every head vector of `x` (`[.., D]`, or `[N, heads·D]` rows); same shape and dtype.
     pub fn rotate(&self, x: &Tensor) -> Result<Tensor> {
         self.apply(x, &self.fwd, &self.inv)

@@ -249,3 +249,103 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
     };
     Ok(wrap(Storage::Cuda(storage), with_last(&q.scales, d)))
 }
+
+/// Rotates (`signs`, head_dim `hd` ∈ {64, 128}) and quantizes K and V (`[n, d]`, f32 or the
+/// pools' dtype) into rows
+/// `rows` of `dk` / `dv` in one launch (`quantize_rot_rows_*`). The caller has checked shapes,
+/// bounds and that both pools share `fmt` and dtype.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn quantize_rot_into_rows(
+    xk: &Tensor,
+    xv: &Tensor,
+    fmt: QuantFormat,
+    dk: &Quantized,
+    dv: &Quantized,
+    rows: &Tensor,
+    signs: &Tensor,
+    hd: usize,
+) -> Result<()> {
+    let (xk, xv) = (aligned(xk)?, aligned(xv)?);
+    let (d, n) = (xk.dim(1)?, xk.elem_count());
+    fn run<I: CudaDType + DeviceRepr, T: CudaDType + DeviceRepr>(
+        x: [&Tensor; 2],
+        pools: [&Quantized; 2],
+        fmt: QuantFormat,
+        rows: &Tensor,
+        signs: &Tensor,
+        (hd, d, n): (usize, usize, usize),
+    ) -> Result<()> {
+        let (kst, k1, k2) = cuda_parts(x[0])?;
+        let (vst, v1, v2) = cuda_parts(x[1])?;
+        let dev = as_cuda(&kst)?.device.clone();
+        let xk = as_cuda(&kst)?.as_cuda_slice::<I>()?.slice(k1..k2);
+        let xv = as_cuda(&vst)?.as_cuda_slice::<I>()?.slice(v1..v2);
+        let parts = pools.map(|q| {
+            [&q.codes, &q.scales, &q.biases].map(|t| {
+                let (s, l) = t.storage_and_layout();
+                (s, l.start_offset() == 0 && l.is_contiguous())
+            })
+        });
+        if parts.iter().flatten().any(|(_, whole)| !whole) {
+            return Err(candle_core::Error::Msg(
+                "quantize_rot_into_rows: the pools must be whole contiguous tensors".into(),
+            ));
+        }
+        let [[kc, ks, kb], [vc, vs, vb]] = &parts;
+        let (kc, vc) = (
+            as_cuda(&kc.0)?.as_cuda_slice::<u32>()?,
+            as_cuda(&vc.0)?.as_cuda_slice::<u32>()?,
+        );
+        let [ks, kb, vs, vb] = [ks, kb, vs, vb].map(|p| &p.0);
+        let (ks, kb, vs, vb) = (
+            as_cuda(ks)?.as_cuda_slice::<T>()?,
+            as_cuda(kb)?.as_cuda_slice::<T>()?,
+            as_cuda(vs)?.as_cuda_slice::<T>()?,
+            as_cuda(vb)?.as_cuda_slice::<T>()?,
+        );
+        let (rst, r1, r2) = cuda_parts(rows)?;
+        let rows_dev = as_cuda(&rst)?.as_cuda_slice::<u32>()?.slice(r1..r2);
+        let (sst, s1, s2) = cuda_parts(signs)?;
+        let signs_dev = as_cuda(&sst)?.as_cuda_slice::<f32>()?.slice(s1..s2);
+        let name = format!(
+            "quantize_rot_rows_{}_{}_b{}_d{hd}",
+            dtype_name(x[0].dtype())?,
+            dtype_name(pools[0].scales.dtype())?,
+            fmt.bits()
+        );
+        let f = kernel(&dev, Module::Quant, &name)?;
+        let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);
+        let mut b = f.builder();
+        b.arg(&xk)
+            .arg(&xv)
+            .arg(kc)
+            .arg(ks)
+            .arg(kb)
+            .arg(vc)
+            .arg(vs)
+            .arg(vb);
+        b.arg(&nchunks)
+            .arg(&group)
+            .arg(&rows_dev)
+            .arg(&cpr)
+            .arg(&signs_dev);
+        let mut cfg = launch_cfg(n / 8, 1);
+        cfg.grid_dim.1 = 2;
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+    let sizes = (hd, d, n);
+    let (x, pools) = ([&xk, &xv], [dk, dv]);
+    match (xk.dtype(), dk.scales.dtype()) {
+        (DType::F32, DType::F32) => run::<f32, f32>(x, pools, fmt, rows, signs, sizes),
+        (DType::F32, DType::F16) => run::<f32, f16>(x, pools, fmt, rows, signs, sizes),
+        (DType::F32, DType::BF16) => run::<f32, bf16>(x, pools, fmt, rows, signs, sizes),
+        (DType::F16, DType::F16) => run::<f16, f16>(x, pools, fmt, rows, signs, sizes),
+        (DType::BF16, DType::BF16) => run::<bf16, bf16>(x, pools, fmt, rows, signs, sizes),
+        (_, other) => Err(super::QuantError::DType {
+            op: "quantize_rot_into_rows",
+            dtype: other,
+        }
+        .into()),
+    }
+}

@@ -310,6 +310,79 @@ pub fn quantize_into_rows(
     Ok(())
 }
 
+/// Whether [`quantize_rotated_into_rows`] has a fused kernel for rows like `x` into a pool of
+/// `pool_dtype`: CUDA, rows in f32 or the pool's dtype, head_dim 64 or 128.
+pub fn fused_rotation(x: &Tensor, pool_dtype: DType, head_dim: usize) -> bool {
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && (x.dtype() == DType::F32 || x.dtype() == pool_dtype)
+        && matches!(head_dim, 64 | 128)
+}
+
+/// [`quantize_into_rows`] of K and V (`[n, d]`, `d` whole head vectors) after the rotated
+/// scheme's rotation, whose sign vector is `signs` (f32 `[head_dim]`, see
+/// [`Rotation`](crate::kv::rotation::Rotation)): one launch rotates and quantizes both, so a decode
+/// step's write costs one kernel per layer instead of two matmuls, two casts and two quantize
+/// launches. Only where [`fused_rotation`] holds; both pools in format `fmt`.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_rotated_into_rows(
+    k: &Tensor,
+    v: &Tensor,
+    fmt: QuantFormat,
+    dk: &Quantized,
+    dv: &Quantized,
+    slots: &SlotRows,
+    signs: &Tensor,
+    head_dim: usize,
+) -> Result<()> {
+    let op = "quantize_rotated_into_rows";
+    let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
+    let (pool_rows, n) = check_rows_into(k, fmt, dk, op)?;
+    let (pool_rows_v, n_v) = check_rows_into(v, fmt, dv, op)?;
+    let pool_dtype = dk.scales.dtype();
+    if k.dtype() != v.dtype()
+        || !fused_rotation(k, pool_dtype, head_dim)
+        || !fused_rotation(v, pool_dtype, head_dim)
+    {
+        return Err(shape_err(format!(
+            "no fused kernel for {:?} rows of head_dim {head_dim} on {:?}",
+            k.dtype(),
+            k.device().location()
+        )));
+    }
+    if (pool_rows_v, n_v) != (pool_rows, n) || dk.scales.dtype() != dv.scales.dtype() {
+        return Err(shape_err(format!(
+            "K and V differ: {n} / {n_v} rows into pools of {pool_rows} / {pool_rows_v} rows"
+        )));
+    }
+    if !k.dim(1)?.is_multiple_of(head_dim) || signs.dims() != [head_dim] {
+        return Err(shape_err(format!(
+            "rows of {} values and signs {:?} do not fit head_dim {head_dim}",
+            k.dim(1)?,
+            signs.dims()
+        )));
+    }
+    let rows = slots.as_slice();
+    if rows.len() != n {
+        return Err(shape_err(format!("{} rows for {n} input rows", rows.len())));
+    }
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= pool_rows) {
+        return Err(shape_err(format!(
+            "row {r} is outside the pool of {pool_rows} rows"
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let signs = signs.to_dtype(DType::F32)?.contiguous()?;
+        cuda::quantize_rot_into_rows(k, v, fmt, dk, dv, &slots.on(k.device())?, &signs, head_dim)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(shape_err("kvq was built without the cuda feature".into()))
+}
+
 /// The runs of consecutive slots in `rows`, as (first index, length).
 pub(crate) fn slot_runs(rows: &[u32]) -> impl Iterator<Item = (usize, usize)> + '_ {
     let mut i = 0;

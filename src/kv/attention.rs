@@ -37,8 +37,9 @@ pub struct DecodeGroup {
     /// Per member sequence, in batch order: its index in the batch, and the range of its
     /// queries among the group's rows.
     members: Vec<(usize, usize, usize)>,
-    /// Row of each query in the flattened batch (u32 `[Q]`).
-    rows: Tensor,
+    /// Row of each query in the flattened batch (u32 `[Q]`); `None` when they are rows 0..Q in
+    /// order (a decode-only batch: no gather launch per layer).
+    rows: Option<Tensor>,
     tables: Tensor,
     starts: Tensor,
     lens: Tensor,
@@ -85,9 +86,14 @@ pub fn plan_decode(
             .flat_map(|t| t.iter().copied().chain(std::iter::repeat(0)).take(width))
             .collect();
         let q = rows.len();
+        let in_order = rows.iter().enumerate().all(|(i, &r)| r == i as u32);
         groups.push(DecodeGroup {
             main,
-            rows: Tensor::from_vec(rows, q, dev)?,
+            rows: if in_order {
+                None
+            } else {
+                Some(Tensor::from_vec(rows, q, dev)?)
+            },
             starts: Tensor::from_vec(starts, q, dev)?,
             lens: Tensor::from_vec(lens, q, dev)?,
             tables: Tensor::from_vec(flat, (q, width), dev)?,
@@ -112,7 +118,10 @@ pub fn paged_attention(
     let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
     for g in decode {
         let rot = cache.rotation(layer, g.main);
-        let qg = q.index_select(&g.rows, 0)?;
+        let qg = match &g.rows {
+            Some(rows) => q.index_select(rows, 0)?,
+            None => q.narrow(0, 0, g.starts.dim(0)?)?,
+        };
         let o = decode_attention_rotated(
             &qg,
             cache.layer_storage(layer, g.main),

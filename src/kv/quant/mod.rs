@@ -287,15 +287,7 @@ pub fn quantize_into_rows(
     let rows = slots.as_slice();
     let op = "quantize_into_rows";
     let (pool_rows, n) = check_rows_into(x, fmt, dst, op)?;
-    let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
-    if rows.len() != n {
-        return Err(shape_err(format!("{} rows for {n} input rows", rows.len())));
-    }
-    if let Some(&r) = rows.iter().find(|&&r| r as usize >= pool_rows) {
-        return Err(shape_err(format!(
-            "row {r} is outside the pool of {pool_rows} rows"
-        )));
-    }
+    check_slots(rows, n, pool_rows, op)?;
     if n == 0 {
         return Ok(());
     }
@@ -306,6 +298,20 @@ pub fn quantize_into_rows(
     }
     for (i, len) in slot_runs(rows) {
         quantize_rows_into(&x.narrow(0, i, len)?, fmt, dst, rows[i] as usize)?;
+    }
+    Ok(())
+}
+
+/// One slot per input row, each inside the pool.
+fn check_slots(rows: &[u32], n: usize, pool_rows: usize, op: &'static str) -> Result<()> {
+    let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
+    if rows.len() != n {
+        return Err(shape_err(format!("{} rows for {n} input rows", rows.len())));
+    }
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= pool_rows) {
+        return Err(shape_err(format!(
+            "row {r} is outside the pool of {pool_rows} rows"
+        )));
     }
     Ok(())
 }
@@ -362,15 +368,7 @@ pub fn quantize_rotated_into_rows(
             signs.dims()
         )));
     }
-    let rows = slots.as_slice();
-    if rows.len() != n {
-        return Err(shape_err(format!("{} rows for {n} input rows", rows.len())));
-    }
-    if let Some(&r) = rows.iter().find(|&&r| r as usize >= pool_rows) {
-        return Err(shape_err(format!(
-            "row {r} is outside the pool of {pool_rows} rows"
-        )));
-    }
+    check_slots(slots.as_slice(), n, pool_rows, op)?;
     if n == 0 {
         return Ok(());
     }

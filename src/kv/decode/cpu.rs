@@ -51,8 +51,6 @@ fn chunk_len(span: usize) -> usize {
 pub(crate) trait Elem: WithDType + Copy + Send + Sync {
     /// One value. Safety: the CPU supports `S`.
     unsafe fn to_f32<S: Simd>(self) -> f32;
-    /// The value widened into every lane. Safety: the CPU supports `S`.
-    unsafe fn splat<S: Simd>(self) -> S::V;
     /// `S::LANES` consecutive values widened to f32. Safety: as [`Simd`]'s loads.
     unsafe fn load<S: Simd>(p: *const Self) -> S::V;
 }
@@ -61,10 +59,6 @@ impl Elem for f32 {
     #[inline(always)]
     unsafe fn to_f32<S: Simd>(self) -> f32 {
         self
-    }
-    #[inline(always)]
-    unsafe fn splat<S: Simd>(self) -> S::V {
-        S::splat(self)
     }
     #[inline(always)]
     unsafe fn load<S: Simd>(p: *const Self) -> S::V {
@@ -78,10 +72,6 @@ impl Elem for f16 {
         S::half(self.to_bits())
     }
     #[inline(always)]
-    unsafe fn splat<S: Simd>(self) -> S::V {
-        S::splat_f16(self.to_bits())
-    }
-    #[inline(always)]
     unsafe fn load<S: Simd>(p: *const Self) -> S::V {
         S::load_f16(p.cast())
     }
@@ -91,10 +81,6 @@ impl Elem for bf16 {
     #[inline(always)]
     unsafe fn to_f32<S: Simd>(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
-    }
-    #[inline(always)]
-    unsafe fn splat<S: Simd>(self) -> S::V {
-        S::splat(Elem::to_f32::<S>(self))
     }
     #[inline(always)]
     unsafe fn load<S: Simd>(p: *const Self) -> S::V {

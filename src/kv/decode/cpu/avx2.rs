@@ -108,11 +108,6 @@ impl Simd for Avx2 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn splat_f16(h: u16) -> __m256 {
-        _mm256_cvtph_ps(_mm_set1_epi16(h as i16))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load_f16(p: *const u16) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
     }

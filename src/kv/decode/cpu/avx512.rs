@@ -53,6 +53,7 @@ const fn shuffle_shift(b: u32) -> [i32; 16] {
 
 impl Simd for Avx512 {
     const LANES: usize = 16;
+    const REGS: usize = 32;
     type V = __m512;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
@@ -169,11 +170,6 @@ impl Simd for Avx512 {
             _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, e)),
         );
         out
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn splat_f16(h: u16) -> __m512 {
-        _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]

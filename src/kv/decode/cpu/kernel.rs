@@ -7,13 +7,15 @@
 //! - Quantized rows are rebuilt in registers, `x̂ = code·scale + bias`, shared by all `G` query
 //!   heads: one multiply-add per vector, or for 4-bit codes on 16 lanes one permute from a
 //!   16-entry table `scale·i + bias` built per (row, group) ([`Simd::TABLE4`]). Scales and
-//!   biases are broadcast and widened straight from the pool where used.
-//! - K pass, two rows at a time, vectors in pairs (one load for the two nibble vectors of 4-bit
-//!   codes), every KV head of a row pair before the next: each query vector load feeds both
-//!   rows, and the eight sums of a row pair (4 query heads) are reduced together.
+//!   biases are widened to f32 once per task ([`Params`]) and broadcast from there.
+//! - K pass, two rows at a time (one for affine rows where the ISA has 16 registers:
+//!   [`Simd::REGS`]), vectors in pairs (one load for the two nibble vectors of 4-bit codes),
+//!   every KV head of a row pair before the next: each query vector load feeds both rows, and
+//!   the eight sums of a row pair (4 query heads) are reduced together.
 //! - Softmax statistics in f32 over the task's scores.
 //! - V pass, in tiles of positions ([`tile_len`]) and blocks of up to four vector columns (16
-//!   accumulators for four query heads), rows rebuilt as in the K pass.
+//!   accumulators for four query heads; two columns with 16 registers), rows rebuilt as in the
+//!   K pass.
 //!
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
 //! accumulators stay in registers); a row is decoded once per chunk.
@@ -69,10 +71,13 @@ pub(super) trait Rows<S: Simd>: Sync {
         let _ = (scale, bias, table);
         self.pair(row, u)
     }
-    /// Scale and bias of group `g` of `slot` in every lane (dense rows: 1 and 0), one broadcast
-    /// and widen each. Safety: `slot` lies inside the pool, `g` < groups of a head, and the CPU
-    /// supports `S`.
-    unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V);
+    /// Groups of a slot, all KV heads (dense rows: 0), and this head's first one.
+    fn slot_groups(&self) -> usize;
+    fn head_group(&self) -> usize;
+    /// Writes `slot`'s scales, then its biases (all KV heads, [`Rows::slot_groups`] each) as
+    /// f32 to `out` (dense rows: nothing). Safety: `slot` lies inside the pool, `out` holds
+    /// twice the slot's groups, and the CPU supports `S`.
+    unsafe fn widen_params(&self, slot: usize, out: *mut f32);
     /// Bytes of a slot's values or codes, all KV heads.
     fn slot_bytes(&self) -> usize;
     /// Starts loading `slot`'s values or codes, of every KV head, into cache.
@@ -115,10 +120,13 @@ impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
     unsafe fn vec(&self, row: usize, v: usize) -> S::V {
         T::load::<S>(self.data.as_ptr().add(row + S::LANES * v))
     }
-    #[inline(always)]
-    unsafe fn scale_bias_splat(&self, _: usize, _: usize) -> (S::V, S::V) {
-        (S::splat(1.0), S::zero())
+    fn slot_groups(&self) -> usize {
+        0
     }
+    fn head_group(&self) -> usize {
+        0
+    }
+    unsafe fn widen_params(&self, _: usize, _: *mut f32) {}
     #[inline(always)]
     fn prefetch(&self, slot: usize) {
         prefetch_span::<S, T>(self.data, slot * self.stride, self.stride);
@@ -176,11 +184,27 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
             S::rebuild_pair::<B>(p, self.head_words, u, scale, bias)
         }
     }
+    fn slot_groups(&self) -> usize {
+        self.row_groups
+    }
+    fn head_group(&self) -> usize {
+        self.head_group
+    }
     #[inline(always)]
-    unsafe fn scale_bias_splat(&self, slot: usize, g: usize) -> (S::V, S::V) {
-        let i = slot * self.row_groups + self.head_group + g;
-        let (s, b) = (self.scales.get_unchecked(i), self.biases.get_unchecked(i));
-        (s.splat::<S>(), b.splat::<S>())
+    unsafe fn widen_params(&self, slot: usize, out: *mut f32) {
+        let (n, at) = (self.row_groups, slot * self.row_groups);
+        for (src, out) in [(self.scales, out), (self.biases, out.add(n))] {
+            let src = src.as_ptr().add(at);
+            let mut i = 0;
+            while i + S::LANES <= n {
+                S::store(out.add(i), T::load::<S>(src.add(i)));
+                i += S::LANES;
+            }
+            while i < n {
+                *out.add(i) = (*src.add(i)).to_f32::<S>();
+                i += 1;
+            }
+        }
     }
     #[inline(always)]
     fn prefetch(&self, slot: usize) {
@@ -194,6 +218,27 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
         let i = slot * self.row_groups;
         prefetch_span::<S, T>(self.scales, i, self.row_groups);
         prefetch_span::<S, T>(self.biases, i, self.row_groups);
+    }
+}
+
+/// The scales and biases of a task's positions, widened to f32 once per task
+/// ([`Rows::widen_params`]): `2 · groups` values per position, so the K and V passes broadcast
+/// them from memory instead of widening a 16-bit value per row, group and column block (a
+/// conversion as costly as a multiply-add on some cores).
+#[derive(Clone, Copy)]
+struct Params<'a> {
+    data: &'a [f32],
+    /// Groups per slot, all KV heads.
+    groups: usize,
+}
+
+impl Params<'_> {
+    /// Scale and bias of slot-group `i` (head's first group + group) of position `t`, in every
+    /// lane. Safety: `t` < the task's positions, `i` < `groups`, and the CPU supports `S`.
+    #[inline(always)]
+    unsafe fn splat<S: Simd>(&self, t: usize, i: usize) -> (S::V, S::V) {
+        let p = self.data.as_ptr().add(2 * self.groups * t + i);
+        (S::splat(*p), S::splat(*p.add(self.groups)))
     }
 }
 
@@ -214,6 +259,9 @@ pub(super) struct Shape {
 pub(super) struct Scratch {
     scores: Vec<f32>,
     rows: Vec<usize>,
+    /// Widened K and V scales and biases ([`Params`]).
+    k_params: Vec<f32>,
+    v_params: Vec<f32>,
 }
 
 /// Distance between the per-(head, group) arrays over a task's `n` positions: a multiple of 16
@@ -255,7 +303,23 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     let np = pitch(n);
     let stride = 2 * g + g * hd;
     let scores = sized(&mut scratch.scores, kvh * g * np);
-    k_pass(heads, q, slots, sh, scores);
+    let (k0, v0) = &heads[0];
+    let groups = k0.slot_groups();
+    let kp = sized(&mut scratch.k_params, 2 * groups * n);
+    let vp = sized(&mut scratch.v_params, 2 * groups * n);
+    if R::AFFINE {
+        for (t, &s) in slots.iter().enumerate() {
+            if let Some(&a) = slots.get(t + PREFETCH) {
+                k0.prefetch_params(a as usize);
+                v0.prefetch_params(a as usize);
+            }
+            k0.widen_params(s as usize, kp.as_mut_ptr().add(2 * groups * t));
+            v0.widen_params(s as usize, vp.as_mut_ptr().add(2 * groups * t));
+        }
+    }
+    let kp = Params { data: kp, groups };
+    let vp = Params { data: vp, groups };
+    k_pass(heads, q, slots, sh, kp, scores);
     for (o, sc) in out
         .chunks_exact_mut(stride)
         .zip(scores.chunks_exact_mut(g * np))
@@ -265,7 +329,6 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
         softmax_rows(sc, n, np, m, l);
         acc.fill(0.0);
     }
-    let v0 = &heads[0].1;
     let rows = &mut scratch.rows;
     let tl = tile_len(v0.slot_bytes());
     for (ti, tile) in slots.chunks(tl).enumerate() {
@@ -275,13 +338,12 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
             // The next tile's rows, a share per head so the requests spread over the tile.
             for &s in next.iter().take(tl).skip(kh).step_by(kvh) {
                 v0.prefetch(s as usize);
-                v0.prefetch_params(s as usize);
             }
             rows.clear();
             rows.extend(tile.iter().map(|&s| v.row(s as usize)));
             let tile = Tile {
-                slots: tile,
                 rows,
+                params: vp,
                 scores: &scores[kh * g * np..][..g * np],
                 pitch: np,
                 t0,
@@ -311,6 +373,7 @@ unsafe fn k_pass<S: Simd, R: Rows<S>>(
     q: &[f32],
     slots: &[u32],
     sh: Shape,
+    kp: Params,
     scores: &mut [f32],
 ) {
     let n = slots.len();
@@ -321,17 +384,17 @@ unsafe fn k_pass<S: Simd, R: Rows<S>>(
         for ahead in t + PREFETCH..(t + PREFETCH + 2).min(2 * n) {
             if ahead < n {
                 k0.prefetch(slots[ahead] as usize);
-                k0.prefetch_params(slots[ahead] as usize);
             } else {
                 v0.prefetch(slots[ahead - n] as usize);
-                v0.prefetch_params(slots[ahead - n] as usize);
             }
         }
-        if t + 1 < n {
-            k_heads::<S, R, 2>(heads, q, slots, sh, t, scores);
+        // Two rows at a time need 8 accumulators, 4 rebuilt vectors and, for affine rows, 4
+        // scales and biases: more than 16 registers hold.
+        if t + 1 < n && (S::REGS >= 32 || !R::AFFINE) {
+            k_heads::<S, R, 2>(heads, q, slots, sh, kp, t, scores);
             t += 2;
         } else {
-            k_heads::<S, R, 1>(heads, q, slots, sh, t, scores);
+            k_heads::<S, R, 1>(heads, q, slots, sh, kp, t, scores);
             t += 1;
         }
     }
@@ -344,6 +407,7 @@ unsafe fn k_heads<S: Simd, R: Rows<S>, const RW: usize>(
     q: &[f32],
     slots: &[u32],
     sh: Shape,
+    kp: Params,
     t: usize,
     scores: &mut [f32],
 ) {
@@ -354,10 +418,10 @@ unsafe fn k_heads<S: Simd, R: Rows<S>, const RW: usize>(
         while j0 < g {
             let qp = q.as_ptr().add((kh * g + j0) * hd);
             match g - j0 {
-                1 => k_rows::<S, R, 1, RW>(k, qp, slots, sh, t, j0, sc),
-                2 => k_rows::<S, R, 2, RW>(k, qp, slots, sh, t, j0, sc),
-                3 => k_rows::<S, R, 3, RW>(k, qp, slots, sh, t, j0, sc),
-                _ => k_rows::<S, R, 4, RW>(k, qp, slots, sh, t, j0, sc),
+                1 => k_rows::<S, R, 1, RW>(k, qp, slots, sh, kp, t, j0, sc),
+                2 => k_rows::<S, R, 2, RW>(k, qp, slots, sh, kp, t, j0, sc),
+                3 => k_rows::<S, R, 3, RW>(k, qp, slots, sh, kp, t, j0, sc),
+                _ => k_rows::<S, R, 4, RW>(k, qp, slots, sh, kp, t, j0, sc),
             }
             j0 += 4;
         }
@@ -372,20 +436,20 @@ unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
     qp: *const f32,
     slots: &[u32],
     sh: Shape,
+    kp: Params,
     t: usize,
     j0: usize,
     scores: &mut [f32],
 ) {
     let (hd, np) = (sh.head_dim, pitch(slots.len()));
     let (gv, ng) = (sh.group / S::LANES, sh.groups);
-    let slot: [usize; RW] = std::array::from_fn(|r| *slots.get_unchecked(t + r) as usize);
-    let rows: [usize; RW] = std::array::from_fn(|r| k.row(slot[r]));
+    let rows: [usize; RW] = std::array::from_fn(|r| k.row(*slots.get_unchecked(t + r) as usize));
     let mut a = [[S::zero(); NJ]; RW];
     for gi in 0..ng {
         let (mut sc, mut bi, mut tb) = ([S::zero(); RW], [S::zero(); RW], [S::zero(); RW]);
         if R::AFFINE {
             for r in 0..RW {
-                (sc[r], bi[r]) = k.scale_bias_splat(slot[r], gi);
+                (sc[r], bi[r]) = kp.splat::<S>(t + r, k.head_group() + gi);
                 if R::TABLE {
                     tb[r] = S::table4(sc[r], bi[r]);
                 }
@@ -460,10 +524,11 @@ unsafe fn hsums<S: Simd, const NJ: usize>(a: &[S::V; NJ]) -> [f32; NJ] {
     out
 }
 
-/// One V tile: its slots and row offsets, and the task's softmax weights.
+/// One V tile: its row offsets, and the task's V scales and biases and softmax weights.
 struct Tile<'a> {
-    slots: &'a [u32],
     rows: &'a [usize],
+    /// The task's V scales and biases.
+    params: Params<'a>,
     /// `G` rows (at `pitch`) of softmax numerators of the task; the tile starts at position
     /// `t0`.
     scores: &'a [f32],
@@ -483,11 +548,12 @@ unsafe fn v_tile<S: Simd, R: Rows<S>, const NJ: usize>(
 ) {
     let nv = sh.head_dim / S::LANES;
     let mut c = 0;
-    while c + 4 <= nv {
+    // Blocks of four columns keep 16 accumulators: only where there are 32 registers.
+    while S::REGS >= 32 && c + 4 <= nv {
         v_cols::<S, R, NJ, 2>(v, tile, sh, j0, c, acc);
         c += 4;
     }
-    if c + 2 <= nv {
+    while c + 2 <= nv {
         v_cols::<S, R, NJ, 1>(v, tile, sh, j0, c, acc);
         c += 2;
     }
@@ -515,12 +581,12 @@ unsafe fn v_cols<S: Simd, R: Rows<S>, const NJ: usize, const P: usize>(
     let w: [*const f32; NJ] =
         std::array::from_fn(|j| tile.scores.as_ptr().add((j0 + j) * tile.pitch + tile.t0));
     for (t, &row) in tile.rows.iter().enumerate() {
-        let slot = *tile.slots.get_unchecked(t) as usize;
         let (mut sc, mut bi, mut tb) = (S::zero(), S::zero(), S::zero());
         let mut x = [[S::zero(); 2]; P];
         for p in 0..P {
             if R::AFFINE && (p == 0 || !one_group) {
-                (sc, bi) = v.scale_bias_splat(slot, (c0 + 2 * p) / gv);
+                let i = v.head_group() + (c0 + 2 * p) / gv;
+                (sc, bi) = tile.params.splat::<S>(tile.t0 + t, i);
                 if R::TABLE {
                     tb = S::table4(sc, bi);
                 }
@@ -564,7 +630,7 @@ unsafe fn v_col<S: Simd, R: Rows<S>, const NJ: usize>(
     for (t, &row) in tile.rows.iter().enumerate() {
         let mut x = v.vec(row, c);
         if R::AFFINE {
-            let (sc, bi) = v.scale_bias_splat(*tile.slots.get_unchecked(t) as usize, c / gv);
+            let (sc, bi) = tile.params.splat::<S>(tile.t0 + t, v.head_group() + c / gv);
             x = S::fma(x, sc, bi);
         }
         for j in 0..NJ {

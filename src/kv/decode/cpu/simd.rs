@@ -7,6 +7,9 @@
 /// `LANES` f32 lanes plus the row decoders of every cache format.
 pub(crate) trait Simd: Copy + Send + Sync + 'static {
     const LANES: usize;
+    /// Vector registers the ISA has: the kernel's register tiles (rows per K step, columns per
+    /// V block) are sized so accumulators and rebuilt rows fit without spilling.
+    const REGS: usize = 16;
     type V: Copy;
     unsafe fn zero() -> Self::V;
     unsafe fn splat(x: f32) -> Self::V;
@@ -32,11 +35,6 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     }
     /// One f16 value (as bits) as f32.
     unsafe fn half(h: u16) -> f32;
-    /// One f16 value (as bits) widened into every lane.
-    #[inline(always)]
-    unsafe fn splat_f16(h: u16) -> Self::V {
-        Self::splat(Self::half(h))
-    }
     /// `LANES` f16 values (as bits) widened to f32.
     unsafe fn load_f16(p: *const u16) -> Self::V;
     /// `LANES` bf16 values (as bits) widened to f32.

@@ -277,6 +277,15 @@ fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v
 }
 
+/// The first `n` values of `v`, grown as needed but not cleared: for buffers every value of
+/// which is written before it is read (zeroing them was a pass over the task's parameters).
+fn reused(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
 /// Runs one task: positions `slots` (pool slots) of one sequence for every KV head. `heads[kh]`
 /// views KV head `kh`'s K and V rows; `q` is `[KV heads · G, head_dim]` (scaled, in the rows'
 /// decoded order). Writes, per KV head, `[max (G) | sum (G) | weighted V (G × head_dim)]` into
@@ -305,8 +314,8 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     let scores = sized(&mut scratch.scores, kvh * g * np);
     let (k0, v0) = &heads[0];
     let groups = k0.slot_groups();
-    let kp = sized(&mut scratch.k_params, 2 * groups * n);
-    let vp = sized(&mut scratch.v_params, 2 * groups * n);
+    let kp = reused(&mut scratch.k_params, 2 * groups * n);
+    let vp = reused(&mut scratch.v_params, 2 * groups * n);
     if R::AFFINE {
         for (t, &s) in slots.iter().enumerate() {
             if let Some(&a) = slots.get(t + PREFETCH) {

@@ -8,10 +8,11 @@
 //!   heads: one multiply-add per vector, or for 4-bit codes on 16 lanes one permute from a
 //!   16-entry table `scale·i + bias` built per (row, group) ([`Simd::TABLE4`]). Scales and
 //!   biases are widened to f32 once per task ([`Params`]) and broadcast from there.
-//! - K pass, two rows at a time (one for affine rows where the ISA has 16 registers:
-//!   [`Simd::REGS`]), vectors in pairs (one load for the two nibble vectors of 4-bit codes),
-//!   every KV head of a row pair before the next: each query vector load feeds both rows, and
-//!   the eight sums of a row pair (4 query heads) are reduced together.
+//! - K pass, rows in steps of four where the ISA has 32 registers ([`Simd::REGS`]; dense and
+//!   table-rebuilt rows), else two (one for affine rows with 16 registers), vectors in pairs
+//!   (one load for the two nibble vectors of 4-bit codes), every KV head of a step before the
+//!   next: each query vector load feeds every row of the step, and the step's sums (4 query
+//!   heads per row) are reduced together.
 //! - Softmax statistics in f32 over the task's scores.
 //! - V pass, in tiles of positions ([`tile_len`]) and blocks of up to four vector columns (16
 //!   accumulators for four query heads; two columns with 16 registers), rows rebuilt as in the
@@ -33,10 +34,21 @@ fn tile_len(row_bytes: usize) -> usize {
     (TILE_BYTES / row_bytes.max(1)).clamp(8, 32)
 }
 
-/// How many positions ahead the K pass prefetches slot rows. Blocks are shuffled, so hardware
-/// prefetchers lose the stream at every block boundary; without explicit prefetches the kernel
-/// waits on memory latency instead of bandwidth (twice as slow, measured).
-const PREFETCH: usize = 8;
+/// How far ahead the K pass prefetches slot rows, in bytes of rows. Blocks are shuffled, so
+/// hardware prefetchers lose the stream at every block boundary; without explicit prefetches
+/// the kernel waits on memory latency instead of bandwidth (twice as slow, measured). A
+/// distance in bytes, not positions, keeps as many bytes in flight for small quantized rows as
+/// for wide dense ones.
+const PREFETCH_BYTES: usize = 16 << 10;
+
+/// Positions the K pass prefetches ahead for rows of `row_bytes` (all KV heads).
+fn prefetch_len(row_bytes: usize) -> usize {
+    (PREFETCH_BYTES / row_bytes.max(1)).clamp(8, 64)
+}
+
+/// Positions ahead the parameter widening prefetches scales and biases (a few bytes per
+/// position: far ahead, or the pass waits on each line).
+const PARAMS_AHEAD: usize = 64;
 
 /// One (KV head, K or V) view of a layer's pool: where a slot's row starts and how to decode it.
 pub(super) trait Rows<S: Simd>: Sync {
@@ -318,7 +330,7 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     let vp = reused(&mut scratch.v_params, 2 * groups * n);
     if R::AFFINE {
         for (t, &s) in slots.iter().enumerate() {
-            if let Some(&a) = slots.get(t + PREFETCH) {
+            if let Some(&a) = slots.get(t + PARAMS_AHEAD) {
                 k0.prefetch_params(a as usize);
                 v0.prefetch_params(a as usize);
             }
@@ -387,25 +399,34 @@ unsafe fn k_pass<S: Simd, R: Rows<S>>(
 ) {
     let n = slots.len();
     let (k0, v0) = &heads[0];
+    let dist = prefetch_len(k0.slot_bytes());
     let mut t = 0;
     while t < n {
-        // Rows PREFETCH ahead; past the end, the first V rows.
-        for ahead in t + PREFETCH..(t + PREFETCH + 2).min(2 * n) {
+        // Four rows at a time need 16 accumulators, 8 rebuilt vectors and, for affine rows, 4
+        // tables (scales and biases of rows without a table would not fit); two rows need 8
+        // accumulators, 4 rebuilt vectors and, for affine rows, 4 scales and biases: more than
+        // 16 registers hold.
+        let rw = if S::REGS >= 32 && t + 3 < n && (!R::AFFINE || R::TABLE) {
+            4
+        } else if t + 1 < n && (S::REGS >= 32 || !R::AFFINE) {
+            2
+        } else {
+            1
+        };
+        // Rows `dist` positions on; past the end, the first V rows.
+        for ahead in t + dist..(t + dist + rw).min(2 * n) {
             if ahead < n {
                 k0.prefetch(slots[ahead] as usize);
             } else {
                 v0.prefetch(slots[ahead - n] as usize);
             }
         }
-        // Two rows at a time need 8 accumulators, 4 rebuilt vectors and, for affine rows, 4
-        // scales and biases: more than 16 registers hold.
-        if t + 1 < n && (S::REGS >= 32 || !R::AFFINE) {
-            k_heads::<S, R, 2>(heads, q, slots, sh, kp, t, scores);
-            t += 2;
-        } else {
-            k_heads::<S, R, 1>(heads, q, slots, sh, kp, t, scores);
-            t += 1;
+        match rw {
+            4 => k_heads::<S, R, 4>(heads, q, slots, sh, kp, t, scores),
+            2 => k_heads::<S, R, 2>(heads, q, slots, sh, kp, t, scores),
+            _ => k_heads::<S, R, 1>(heads, q, slots, sh, kp, t, scores),
         }
+        t += rw;
     }
 }
 
@@ -489,6 +510,17 @@ unsafe fn k_rows<S: Simd, R: Rows<S>, const NJ: usize, const RW: usize>(
                 }
             }
         }
+    }
+    if NJ == 4 && RW == 4 {
+        // All four rows' sums at once.
+        let a =
+            std::array::from_fn(|r| std::array::from_fn(|j| *a.get_unchecked(r).get_unchecked(j)));
+        let s = S::hsum16(a);
+        for (j, s) in s.iter().enumerate() {
+            let o = scores.as_mut_ptr().add((j0 + j) * np + t);
+            std::ptr::copy_nonoverlapping(s.as_ptr(), o, 4);
+        }
+        return;
     }
     if NJ == 4 && RW == 2 {
         // Both rows' sums at once (cheaper than two four-way reductions).

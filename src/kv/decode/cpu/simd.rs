@@ -33,6 +33,13 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
         );
         [x[0], x[1], x[2], x[3], y[0], y[1], y[2], y[3]]
     }
+    /// The sixteen sums of a four-row K step, `a[row][head]`, as `out[head][row]` (one row of
+    /// scores per query head, four positions side by side).
+    #[inline(always)]
+    unsafe fn hsum16(a: [[Self::V; 4]; 4]) -> [[f32; 4]; 4] {
+        let rows = a.map(|r| Self::hsum4(r));
+        std::array::from_fn(|j| std::array::from_fn(|r| rows[r][j]))
+    }
     /// One f16 value (as bits) as f32.
     unsafe fn half(h: u16) -> f32;
     /// `LANES` f16 values (as bits) widened to f32.
@@ -176,4 +183,27 @@ impl Simd for Portable {
     }
     #[inline(always)]
     unsafe fn prefetch(_: *const u8) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The generic four-row reduction returns row `r`, head `j`'s sum at `[j][r]` (the layout
+    /// the four-row K step stores; AVX-512 overrides it and is checked against the same sums).
+    #[test]
+    fn hsum16_default_is_by_head_then_row() {
+        let v = |i: usize| -> [f32; 8] { std::array::from_fn(|l| (i * 8 + l) as f32) };
+        // SAFETY: the portable operations need no CPU features.
+        let got = unsafe {
+            Portable::hsum16(std::array::from_fn(|r| {
+                std::array::from_fn(|j| v(4 * r + j))
+            }))
+        };
+        for (j, row) in got.iter().enumerate() {
+            for (r, &s) in row.iter().enumerate() {
+                assert_eq!(s, v(4 * r + j).iter().sum::<f32>(), "head {j} row {r}");
+            }
+        }
+    }
 }

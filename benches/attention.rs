@@ -4,9 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use kvq::kv::decode::decode_attention;
-use kvq::kv::layer::{KvFormat, LayerKv};
-use kvq::kv::quant::QuantFormat;
+use kvq::kv::attend::decode::decode_attention;
+use kvq::kv::format::QuantFormat;
+use kvq::kv::format::{KvFormat, LayerKv};
 
 const BATCH: usize = 4;
 const KV_HEADS: usize = 8;

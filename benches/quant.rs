@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvq::kv::quant::{self, QuantFormat};
+use kvq::kv::format::{self, QuantFormat};
 
 fn bench(c: &mut Criterion) {
     // 8 heads x 4096 tokens x head_dim 128: 4 Mi values, one K tensor of a mid-sized layer.
@@ -19,13 +19,13 @@ fn bench(c: &mut Criterion) {
         g.bench_function("copy", |b| b.iter(|| x.copy().unwrap()));
         for bits in [8u32, 4, 3] {
             let fmt = QuantFormat::new(bits, 64).unwrap();
-            let q = quant::quantize(&x, fmt).unwrap();
+            let q = format::quantize(&x, fmt).unwrap();
             g.throughput(Throughput::Bytes(dense + q.bytes() as u64));
             g.bench_function(format!("quantize_b{bits}"), |b| {
-                b.iter(|| quant::quantize(&x, fmt).unwrap())
+                b.iter(|| format::quantize(&x, fmt).unwrap())
             });
             g.bench_function(format!("dequantize_b{bits}"), |b| {
-                b.iter(|| quant::dequantize(&q, fmt).unwrap())
+                b.iter(|| format::dequantize(&q, fmt).unwrap())
             });
         }
         g.finish();

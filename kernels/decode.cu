@@ -1,4 +1,4 @@
-// kvq: decode attention over the paged, optionally quantized KV pool (DESIGN.md §6).
+// kvq: decode attention over the paged, optionally quantized KV pool (docs/ARCHITECTURE.md).
 //
 // Grid: x = (sequence, KV head), y = split of the visible positions (split-K, so long contexts
 // fill the GPU), z = chunk of up to MAXG query heads of that KV head. 128 threads per block walk
@@ -11,37 +11,13 @@
 //      Σ (p·scale)·code + Σ p·bias. Codes are converted with the 2^23 float trick (no I2F).
 // Each block writes (max, sum, weighted V) for its split; decode_merge combines the splits.
 // A sequence with start >= len, len beyond its table or a block id outside the pool gets NaN.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "common.cuh"
 
 #define NT 128
 #define TILE 128
 #define MAXG 8
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// 8 consecutive values (16-byte aligned) as f32.
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* v) {
-    if (sizeof(T) == 4) {
-        float4 a = reinterpret_cast<const float4*>(p)[0];
-        float4 b = reinterpret_cast<const float4*>(p)[1];
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-        uint4 a = *reinterpret_cast<const uint4*>(p);
-        const T* h = reinterpret_cast<const T*>(&a);
-#pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = to_f(h[k]);
-    }
-}
 
 // A code (< 2^23) as float: OR it into the mantissa of 2^23 and subtract 2^23.
 __device__ __forceinline__ float code_f(uint32_t c) { return __int_as_float(c | 0x4B000000u) - 8388608.f; }

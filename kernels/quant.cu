@@ -1,35 +1,10 @@
-// kvq: affine group quantization (DESIGN.md §4), bit-exact with MLX.
+// kvq: affine group quantization (docs/ARCHITECTURE.md), bit-exact with MLX.
 // One thread handles 8 consecutive values of a row: 8 codes of B bits are exactly B bytes, so
 // each thread reads/writes a byte-aligned piece of the packed stream. Groups (32/64/128 values)
 // are g/8 adjacent lanes of one warp and reduce min/max with xor shuffles.
 // All float arithmetic uses explicit round-to-nearest intrinsics so nvcc never contracts
 // mul+add into an fma (which would change the last bit versus MLX's CPU output).
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// 8 values = 32 bytes (f32) or 16 bytes (f16/bf16); callers guarantee 16-byte alignment.
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* v) {
-    if (sizeof(T) == 4) {
-        float4 a = reinterpret_cast<const float4*>(p)[0];
-        float4 b = reinterpret_cast<const float4*>(p)[1];
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-        uint4 a = *reinterpret_cast<const uint4*>(p);
-        const T* h = reinterpret_cast<const T*>(&a);
-#pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = to_f(h[k]);
-    }
-}
+#include "common.cuh"
 
 template <typename T> __device__ __forceinline__ void store8(T* p, const float* v) {
     if (sizeof(T) == 4) {

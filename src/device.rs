@@ -19,3 +19,11 @@ pub fn open_cuda(ordinal: usize) -> Result<Device> {
     }
     Ok(dev)
 }
+
+/// Memory the OS could give this process now (Linux `MemAvailable`), if it can be read.
+pub fn available_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

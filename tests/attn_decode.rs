@@ -6,9 +6,9 @@
 //! machine the CUDA kernel is checked against the same reference.
 
 use candle_core::{DType, Device, Tensor};
-use kvq::kv::decode::{decode_attention, generic};
-use kvq::kv::layer::{KvFormat, LayerKv};
-use kvq::kv::quant::QuantFormat;
+use kvq::kv::attend::decode::{decode_attention, generic};
+use kvq::kv::format::QuantFormat;
+use kvq::kv::format::{KvFormat, LayerKv};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
@@ -339,7 +339,7 @@ fn bad_inputs_are_refused() {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use kvq::kv::quant::Quantized;
+    use kvq::kv::format::Quantized;
 
     fn to_gpu(c: &Case, dev: &Device) -> Case {
         let mv = |t: &Tensor| t.to_device(dev).unwrap();
@@ -438,8 +438,8 @@ mod cuda {
     /// equals rotate → reference attention → rotate back (f32 matmuls on the CPU).
     #[test]
     fn cuda_rotated_matches_rotate_attend_unrotate() {
-        use kvq::kv::decode::decode_attention_rotated;
-        use kvq::kv::rotation::{Rotation, DEFAULT_SEED};
+        use kvq::kv::attend::decode::decode_attention_rotated;
+        use kvq::kv::format::rotation::{Rotation, DEFAULT_SEED};
         let dev = Device::new_cuda(0).expect("a CUDA device");
         for d in [64, 128] {
             for bits in [4, 8] {

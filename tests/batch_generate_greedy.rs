@@ -7,7 +7,6 @@
 mod common;
 use candle_core::{DType, Device};
 use common::*;
-use kvq::cli::args::{DTypeArg, LoadFormat, ModelArgs};
 use kvq::engine::batch::{Batch, BatchRequest};
 use kvq::engine::request::Request;
 use kvq::engine::sampler::SamplingParams;
@@ -15,6 +14,7 @@ use kvq::engine::scheduler::{Engine, EngineConfig};
 use kvq::kv::cache::{CacheConfig, PagedKvCache};
 use kvq::model::llama::{LogitsFor, SeqInput};
 use kvq::model::load::{load, LoadedModel};
+use kvq::model::options::ModelOptions;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
@@ -92,14 +92,10 @@ fn request(id: Value, prompt: Vec<u32>, max_tokens: usize, eos: &[u32]) -> Batch
 
 #[test]
 fn batched_greedy_equals_alone() {
-    let args = ModelArgs {
-        model: None,
-        load_format: LoadFormat::Auto,
-        config: None,
-        tokenizer: None,
-        dtype: Some(DTypeArg::F32),
+    let args = ModelOptions {
+        dtype: Some(DType::F32),
         dequantize: true,
-        keep_quantized: false,
+        ..ModelOptions::default()
     };
     let mut m = load(&args, &Device::Cpu).unwrap();
     m.model.set_batch_invariant(true);

@@ -18,15 +18,15 @@
 mod common;
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use kvq::cli::args::{DTypeArg, LoadFormat, ModelArgs};
 use kvq::engine::request::{Event, Request};
 use kvq::engine::sampler::SamplingParams;
 use kvq::engine::scheduler::{Engine, EngineConfig};
 use kvq::kv::cache::{CacheConfig, PagedKvCache};
-use kvq::kv::layer::{KvFormat, LayerRows};
-use kvq::kv::quant::QuantFormat;
+use kvq::kv::format::QuantFormat;
+use kvq::kv::format::{KvFormat, LayerRows};
 use kvq::model::llama::{LogitsFor, SeqInput};
 use kvq::model::load::{load, LoadedModel};
+use kvq::model::options::ModelOptions;
 use std::collections::HashMap;
 
 const NEW_TOKENS: usize = 12;
@@ -161,14 +161,10 @@ fn prompts() -> Vec<Vec<u32>> {
 
 #[test]
 fn quantized_batched_greedy_equals_alone() {
-    let args = ModelArgs {
-        model: None,
-        load_format: LoadFormat::Auto,
-        config: None,
-        tokenizer: None,
-        dtype: Some(DTypeArg::F32),
+    let args = ModelOptions {
+        dtype: Some(DType::F32),
         dequantize: true,
-        keep_quantized: false,
+        ..ModelOptions::default()
     };
     let mut m = load(&args, &Device::Cpu).unwrap();
     m.model.set_batch_invariant(true);

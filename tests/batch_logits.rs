@@ -5,10 +5,10 @@
 mod common;
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use kvq::cli::args::{LoadFormat, ModelArgs};
 use kvq::kv::cache::{CacheConfig, PagedKvCache};
 use kvq::model::llama::{Llama, LogitsFor, SeqInput};
 use kvq::model::load::load;
+use kvq::model::options::ModelOptions;
 
 fn cache_for(model: &Llama, blocks: usize) -> PagedKvCache {
     let c = model.config();
@@ -36,14 +36,10 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 #[test]
 fn batched_rows_equal_single_rows() {
-    let args = ModelArgs {
-        model: None,
-        load_format: LoadFormat::Auto,
-        config: None,
-        tokenizer: None,
-        dtype: Some(kvq::cli::args::DTypeArg::F32),
+    let args = ModelOptions {
+        dtype: Some(DType::F32),
         dequantize: true,
-        keep_quantized: false,
+        ..ModelOptions::default()
     };
     let mut m = load(&args, &Device::Cpu).unwrap();
     m.model.set_batch_invariant(true);

@@ -2,7 +2,7 @@
 //! memory figures of the default shape (computed from the format, without allocating 512 MiB).
 
 use kvq::bench::kv_cache::BenchConfig;
-use kvq::kv::quant::QuantFormat;
+use kvq::kv::format::QuantFormat;
 use std::process::{Command, Output};
 
 fn kvq(args: &[&str]) -> Output {

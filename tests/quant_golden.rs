@@ -4,7 +4,7 @@
 //! Set KVQ_REFERENCE_DIR to read the file from elsewhere.
 
 use candle_core::{DType, Device, Tensor};
-use kvq::kv::quant::{self, QuantFormat, Quantized};
+use kvq::kv::format::{self, QuantFormat, Quantized};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -109,7 +109,7 @@ fn check_all(name: &str, device: &Device, quantize: Quantize, dequantize: Dequan
 #[test]
 fn fused_cpu_matches_mlx() {
     assert_eq!(
-        check_all("cpu", &Device::Cpu, quant::quantize, quant::dequantize),
+        check_all("cpu", &Device::Cpu, format::quantize, format::dequantize),
         36
     );
 }
@@ -120,8 +120,8 @@ fn generic_matches_mlx() {
         check_all(
             "generic",
             &Device::Cpu,
-            quant::generic::quantize,
-            quant::generic::dequantize
+            format::generic::quantize,
+            format::generic::dequantize
         ),
         36
     );
@@ -132,7 +132,7 @@ fn generic_matches_mlx() {
 fn cuda_matches_mlx() {
     let dev = Device::new_cuda(0).expect("a CUDA device (this test runs on the GPU machine)");
     assert_eq!(
-        check_all("cuda", &dev, quant::quantize, quant::dequantize),
+        check_all("cuda", &dev, format::quantize, format::dequantize),
         36
     );
 }
@@ -145,8 +145,8 @@ fn cuda_generic_matches_mlx() {
         check_all(
             "cuda-generic",
             &dev,
-            quant::generic::quantize,
-            quant::generic::dequantize
+            format::generic::quantize,
+            format::generic::dequantize
         ),
         36
     );

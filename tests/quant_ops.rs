@@ -2,7 +2,7 @@
 //! bf16, leading dims, large and constant values), input refusals, and quantize_into.
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use kvq::kv::quant::{self, QuantFormat, Quantized, SlotRows};
+use kvq::kv::format::{self, QuantFormat, Quantized, SlotRows};
 
 fn bits(t: &Tensor) -> Vec<u32> {
     let t = t.flatten_all().unwrap();
@@ -48,15 +48,15 @@ fn fused_equals_generic_on_random_data() {
                         continue;
                     }
                     let x = sample(&shape, dtype, scale);
-                    let f = quant::quantize(&x, fmt).unwrap();
-                    let r = quant::generic::quantize(&x, fmt).unwrap();
+                    let f = format::quantize(&x, fmt).unwrap();
+                    let r = format::generic::quantize(&x, fmt).unwrap();
                     let case = format!("{dtype:?} {fmt} {shape:?}");
                     assert!(same(&f.codes, &r.codes), "codes {case}");
                     assert!(same(&f.scales, &r.scales), "scales {case}");
                     assert!(same(&f.biases, &r.biases), "biases {case}");
                     let (fd, rd) = (
-                        quant::dequantize(&f, fmt).unwrap(),
-                        quant::generic::dequantize(&r, fmt).unwrap(),
+                        format::dequantize(&f, fmt).unwrap(),
+                        format::generic::dequantize(&r, fmt).unwrap(),
                     );
                     assert!(same(&fd, &rd), "deq {case}");
                     assert_eq!(fd.dims(), x.dims());
@@ -107,7 +107,7 @@ fn constant_and_zero_rows_round_trip_exactly() {
     let fmt = QuantFormat::new(4, 32).unwrap();
     for v in [0f32, 3.25, -7.5] {
         let x = Tensor::full(v, (2, 64), &Device::Cpu).unwrap();
-        let y = quant::dequantize(&quant::quantize(&x, fmt).unwrap(), fmt).unwrap();
+        let y = format::dequantize(&format::quantize(&x, fmt).unwrap(), fmt).unwrap();
         assert_eq!(
             y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             vec![v; 128]
@@ -129,8 +129,8 @@ fn non_contiguous_input_is_accepted() {
         .unwrap();
     let xt = sample(&[4, 128], DType::F32, 1.0).t().unwrap().t().unwrap();
     for t in [x, xt] {
-        let a = quant::quantize(&t, fmt).unwrap();
-        let b = quant::quantize(&t.contiguous().unwrap(), fmt).unwrap();
+        let a = format::quantize(&t, fmt).unwrap();
+        let b = format::quantize(&t.contiguous().unwrap(), fmt).unwrap();
         assert!(same(&a.codes, &b.codes));
     }
 }
@@ -138,19 +138,19 @@ fn non_contiguous_input_is_accepted() {
 #[test]
 fn refuses_bad_inputs() {
     let fmt = QuantFormat::new(4, 64).unwrap();
-    let e = quant::quantize(
+    let e = format::quantize(
         &Tensor::zeros((2, 96), DType::F32, &Device::Cpu).unwrap(),
         fmt,
     )
     .unwrap_err();
     assert!(e.to_string().contains("32, 64, 128"), "{e}");
-    let e = quant::quantize(
+    let e = format::quantize(
         &Tensor::zeros((2, 64), DType::U32, &Device::Cpu).unwrap(),
         fmt,
     )
     .unwrap_err();
     assert!(e.to_string().contains("dtype"), "{e}");
-    let q = quant::quantize(
+    let q = format::quantize(
         &Tensor::zeros((2, 128), DType::F32, &Device::Cpu).unwrap(),
         fmt,
     )
@@ -159,12 +159,12 @@ fn refuses_bad_inputs() {
         codes: q.codes.narrow(1, 0, 8).unwrap(),
         ..q.clone()
     };
-    assert!(quant::dequantize(&bad, fmt).is_err());
+    assert!(format::dequantize(&bad, fmt).is_err());
     let bad = Quantized {
         biases: q.biases.to_dtype(DType::F16).unwrap(),
         ..q
     };
-    assert!(quant::dequantize(&bad, fmt).is_err());
+    assert!(format::dequantize(&bad, fmt).is_err());
 }
 
 #[test]
@@ -178,8 +178,8 @@ fn quantize_into_writes_only_the_named_slots() {
     };
     let x = sample(&[3, d], DType::F32, 1.0);
     let ids = Tensor::new(&[7u32, 2, 5], &Device::Cpu).unwrap();
-    quant::quantize_into(&x, fmt, &pool, &ids).unwrap();
-    let want = quant::quantize(&x.to_dtype(DType::F16).unwrap(), fmt).unwrap();
+    format::quantize_into(&x, fmt, &pool, &ids).unwrap();
+    let want = format::quantize(&x.to_dtype(DType::F16).unwrap(), fmt).unwrap();
     for (i, slot) in [7usize, 2, 5].into_iter().enumerate() {
         assert!(same(
             &pool.codes.i(slot).unwrap(),
@@ -200,7 +200,7 @@ fn quantize_into_writes_only_the_named_slots() {
             "slot {slot} touched"
         );
     }
-    let e = quant::quantize_into(
+    let e = format::quantize_into(
         &x,
         fmt,
         &pool,
@@ -219,8 +219,8 @@ fn quantize_rows_into_writes_only_its_run() {
         biases: Tensor::zeros((slots, fmt.groups_per_row(d)), DType::BF16, &Device::Cpu).unwrap(),
     };
     let x = sample(&[3, d], DType::F32, 1.0);
-    quant::quantize_rows_into(&x, fmt, &pool, 4).unwrap();
-    let want = quant::quantize(&x.to_dtype(DType::BF16).unwrap(), fmt).unwrap();
+    format::quantize_rows_into(&x, fmt, &pool, 4).unwrap();
+    let want = format::quantize(&x.to_dtype(DType::BF16).unwrap(), fmt).unwrap();
     for i in 0..3 {
         assert!(same(
             &pool.codes.i(4 + i).unwrap(),
@@ -241,9 +241,9 @@ fn quantize_rows_into_writes_only_its_run() {
             "slot {slot} touched"
         );
     }
-    let e = quant::quantize_rows_into(&x, fmt, &pool, 7).unwrap_err();
+    let e = format::quantize_rows_into(&x, fmt, &pool, 7).unwrap_err();
     assert!(e.to_string().contains("outside the pool"), "{e}");
-    let e = quant::quantize_rows_into(&sample(&[2, 64], DType::F32, 1.0), fmt, &pool, 0);
+    let e = format::quantize_rows_into(&sample(&[2, 64], DType::F32, 1.0), fmt, &pool, 0);
     assert!(e.is_err());
 }
 
@@ -267,14 +267,14 @@ fn check_into_rows(dev: &Device) {
         };
         let rows = [3u32, 4, 5, 9, 1, 0];
         let x = sample(&[rows.len(), width], DType::F32, 2.0);
-        quant::quantize_into_rows(
+        format::quantize_into_rows(
             &x.to_device(dev).unwrap(),
             fmt,
             &pool,
             &SlotRows::new(rows.to_vec()),
         )
         .unwrap();
-        let want = quant::quantize(&x.to_dtype(dtype).unwrap(), fmt).unwrap();
+        let want = format::quantize(&x.to_dtype(dtype).unwrap(), fmt).unwrap();
         let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
         for (i, &r) in rows.iter().enumerate() {
             let r = r as usize;
@@ -299,9 +299,10 @@ fn check_into_rows(dev: &Device) {
         }
         let xd = x.to_device(dev).unwrap();
         let bad = SlotRows::new(vec![0, 1, 2, 3, 4, 12]);
-        let e = quant::quantize_into_rows(&xd, fmt, &pool, &bad).unwrap_err();
+        let e = format::quantize_into_rows(&xd, fmt, &pool, &bad).unwrap_err();
         assert!(e.to_string().contains("outside the pool"), "{e}");
-        let e = quant::quantize_into_rows(&xd, fmt, &pool, &SlotRows::new(vec![0, 1])).unwrap_err();
+        let e =
+            format::quantize_into_rows(&xd, fmt, &pool, &SlotRows::new(vec![0, 1])).unwrap_err();
         assert!(e.to_string().contains("rows for"), "{e}");
     }
 }
@@ -323,7 +324,7 @@ fn cuda_quantize_into_rows_scatters_exact_rows() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
-    use kvq::kv::rotation::Rotation;
+    use kvq::kv::format::rotation::Rotation;
     let dev = Device::new_cuda(0).expect("a CUDA device");
     let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
     for (nbits, g, dtype, hd, kvh) in [
@@ -358,10 +359,10 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
             let rows = SlotRows::new(vec![3, 4, 5, 9, 1, 0]);
             let xk = sample(&[6, width], in_dtype, 2.0).to_device(&dev).unwrap();
             let xv = sample(&[6, width], in_dtype, 0.5).to_device(&dev).unwrap();
-            quant::quantize_rotated_into_rows(&xk, &xv, fmt, &fk, &fv, &rows, rot.signs(), hd)
+            format::quantize_rotated_into_rows(&xk, &xv, fmt, &fk, &fv, &rows, rot.signs(), hd)
                 .unwrap();
-            quant::quantize_into_rows(&rot.rotate(&xk).unwrap(), fmt, &rk, &rows).unwrap();
-            quant::quantize_into_rows(&rot.rotate(&xv).unwrap(), fmt, &rv, &rows).unwrap();
+            format::quantize_into_rows(&rot.rotate(&xk).unwrap(), fmt, &rk, &rows).unwrap();
+            format::quantize_into_rows(&rot.rotate(&xv).unwrap(), fmt, &rv, &rows).unwrap();
             let case =
                 format!("bits {nbits} g {g} {in_dtype:?} into {dtype:?} head_dim {hd} x{kvh}");
             for (got, want) in [(&fk, &rk), (&fv, &rv)] {
@@ -378,7 +379,7 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
                         scales: cpu(&q.scales),
                         biases: cpu(&q.biases),
                     };
-                    let d = quant::dequantize(&q, fmt).unwrap();
+                    let d = format::dequantize(&q, fmt).unwrap();
                     d.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap()
                 };
                 let steps = cpu(&want.scales)
@@ -415,7 +416,7 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
             .to_device(&dev)
             .unwrap();
         let xv = xk.clone();
-        let e = quant::quantize_rotated_into_rows(
+        let e = format::quantize_rotated_into_rows(
             &xk, &xv, fmt, &fk, &fv, &rows, &xk, // signs that are not one head vector
             hd,
         )

@@ -14,10 +14,10 @@
 //! the dense cache of `dtype` and each bit width. Times are per layer, medians, device-synchronised;
 //! the error is max |out - out_dense| over the attention outputs (same K/V data, same queries).
 
-use crate::kv::decode::decode_attention_rotated;
-use crate::kv::layer::{KvFormat, LayerKv};
-use crate::kv::quant::{self, QuantFormat, Quantized};
-use crate::kv::rotation::{Rotation, DEFAULT_SEED};
+use crate::kv::attend::decode::decode_attention_rotated;
+use crate::kv::format::rotation::{Rotation, DEFAULT_SEED};
+use crate::kv::format::{self, QuantFormat, Quantized};
+use crate::kv::format::{KvFormat, LayerKv};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -292,7 +292,7 @@ fn errors(xs: &[Tensor], qs: &[Quantized], fmt: QuantFormat) -> Result<(f64, f64
     let (mut sum, mut max, mut count) = (0f64, 0f64, 0u64);
     for (x, q) in xs.iter().zip(qs) {
         let diff =
-            (x.to_dtype(DType::F32)? - quant::dequantize(q, fmt)?.to_dtype(DType::F32)?)?.abs()?;
+            (x.to_dtype(DType::F32)? - format::dequantize(q, fmt)?.to_dtype(DType::F32)?)?.abs()?;
         sum += diff.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         max = max.max(diff.max_all()?.to_scalar::<f32>()? as f64);
         count += x.elem_count() as u64;
@@ -345,14 +345,14 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
             &format!("quantize {}-bit", fmt.bits()),
             || {
                 for x in &xs {
-                    drop(quant::quantize(x, fmt)?);
+                    drop(format::quantize(x, fmt)?);
                 }
                 Ok(())
             },
         )?;
         let qs = xs
             .iter()
-            .map(|x| quant::quantize(x, fmt))
+            .map(|x| format::quantize(x, fmt))
             .collect::<candle_core::Result<Vec<Quantized>>>()?;
         let dq_ms = time_ms(
             cfg,
@@ -361,7 +361,7 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
             &format!("dequantize {}-bit", fmt.bits()),
             || {
                 for q in &qs {
-                    drop(quant::dequantize(q, fmt)?);
+                    drop(format::dequantize(q, fmt)?);
                 }
                 Ok(())
             },

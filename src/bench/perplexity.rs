@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use rayon::prelude::*;
 
-use crate::kv::cache::{CacheConfig, PagedKvCache};
+use crate::kv::cache::{CacheConfig, PagedKvCache, PoolSizing};
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
 /// One KV setting to evaluate.
@@ -101,11 +101,10 @@ pub fn evaluate(
         .iter()
         .map(|s| {
             let mut cfg = s.config.clone();
-            cfg.num_blocks = cfg.max_blocks_for(opts.ctx, opts.chunk) + 1;
-            let bs = cfg.block_size;
-            if let Some(st) = cfg.staging.as_mut() {
-                st.num_blocks = st.tokens.div_ceil(bs) + 1;
-            }
+            cfg.size_pools(PoolSizing::Window {
+                tokens: opts.ctx,
+                chunk: opts.chunk,
+            });
             PagedKvCache::new(cfg, model.device())
                 .with_context(|| format!("KV setting {}", s.label))
         })

@@ -6,6 +6,9 @@ use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
+use crate::kv::cache::{KvOptions, QuantScheme};
+use crate::model::{self, options::ModelOptions};
+
 /// Where the computation runs.
 #[derive(Args, Debug, Clone)]
 pub struct DeviceArgs {
@@ -142,12 +145,19 @@ pub enum LoadFormat {
 }
 
 impl ModelArgs {
-    /// The dtype to compute in: `--dtype` if given, else f32 on CPU and f16 elsewhere.
-    pub fn dtype_for(&self, device: &Device) -> DType {
-        match (self.dtype, device) {
-            (Some(d), _) => d.dtype(),
-            (None, Device::Cpu) => DType::F32,
-            (None, _) => DType::F16,
+    /// The flags as the model loader's plain options.
+    pub fn options(&self) -> ModelOptions {
+        ModelOptions {
+            model: self.model.clone(),
+            load_format: match self.load_format {
+                LoadFormat::Auto => model::options::LoadFormat::Auto,
+                LoadFormat::Dummy => model::options::LoadFormat::Dummy,
+            },
+            config: self.config.clone(),
+            tokenizer: self.tokenizer.clone(),
+            dtype: self.dtype.map(DTypeArg::dtype),
+            dequantize: self.dequantize,
+            keep_quantized: self.keep_quantized,
         }
     }
 }
@@ -253,191 +263,38 @@ pub struct KvArgs {
     /// rotated to match; needs a power-of-two head_dim). `affine`: plain MLX-compatible affine
     /// groups. Default: rotated where head_dim is a power of two, else affine. Needs --kv-bits.
     #[arg(long, value_enum, value_name = "SCHEME")]
-    pub kv_quant_scheme: Option<QuantScheme>,
+    pub kv_quant_scheme: Option<QuantSchemeArg>,
 }
 
 /// `--kv-quant-scheme`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum QuantScheme {
+pub enum QuantSchemeArg {
     Affine,
     Rotated,
 }
 
-impl QuantScheme {
-    pub fn name(self) -> &'static str {
+impl QuantSchemeArg {
+    pub fn scheme(self) -> QuantScheme {
         match self {
-            QuantScheme::Affine => "affine",
-            QuantScheme::Rotated => "rotated",
+            QuantSchemeArg::Affine => QuantScheme::Affine,
+            QuantSchemeArg::Rotated => QuantScheme::Rotated,
         }
     }
 }
 
 impl KvArgs {
-    /// Checks the flags on their own (model-independent).
-    pub fn validate(&self) -> Result<()> {
-        if self.kv_block_size == 0 || self.kv_block_size > 4096 {
-            bail!(
-                "--kv-block-size must be between 1 and 4096 (got {})",
-                self.kv_block_size
-            );
+    /// The flags as the cache's plain options.
+    pub fn options(&self) -> KvOptions {
+        KvOptions {
+            bits: self.kv_bits,
+            key_bits: self.kv_key_bits,
+            value_bits: self.kv_value_bits,
+            group_size: self.kv_group_size,
+            quantized_kv_start: self.quantized_kv_start,
+            dense_layers: self.kv_dense_layers.clone(),
+            max_kv_size: self.max_kv_size,
+            block_size: self.kv_block_size,
+            scheme: self.kv_quant_scheme.map(QuantSchemeArg::scheme),
         }
-        if !self.is_quantized() {
-            for (set, flag) in [
-                (self.kv_group_size.is_some(), "--kv-group-size"),
-                (self.quantized_kv_start > 0, "--quantized-kv-start"),
-                (self.kv_dense_layers.is_some(), "--kv-dense-layers"),
-                (self.kv_quant_scheme.is_some(), "--kv-quant-scheme"),
-            ] {
-                if set {
-                    bail!("{flag} only applies to a quantized cache: add --kv-bits");
-                }
-            }
-        }
-        self.quant_formats()?;
-        if self.max_kv_size == Some(0) {
-            bail!("--max-kv-size must be at least 1");
-        }
-        Ok(())
-    }
-
-    /// The scheme for a model with this head_dim: --kv-quant-scheme, else rotated where the
-    /// Hadamard transform applies.
-    pub fn scheme_for(&self, head_dim: usize) -> QuantScheme {
-        self.kv_quant_scheme
-            .unwrap_or(if head_dim.is_power_of_two() {
-                QuantScheme::Rotated
-            } else {
-                QuantScheme::Affine
-            })
-    }
-
-    /// Whether any of --kv-bits, --kv-key-bits, --kv-value-bits asks for a quantized cache.
-    pub fn is_quantized(&self) -> bool {
-        self.kv_bits.is_some() || self.kv_key_bits.is_some() || self.kv_value_bits.is_some()
-    }
-
-    /// The key and value formats, or `None` for a dense cache.
-    pub fn quant_formats(
-        &self,
-    ) -> Result<Option<(crate::kv::quant::QuantFormat, crate::kv::quant::QuantFormat)>> {
-        if !self.is_quantized() {
-            return Ok(None);
-        }
-        let g = self.kv_group_size.unwrap_or(64);
-        let side = |own: Option<u32>, flag: &str| -> Result<crate::kv::quant::QuantFormat> {
-            let (bits, from) = match (own, self.kv_bits) {
-                (Some(b), _) => (b, flag),
-                (None, Some(b)) => (b, "--kv-bits"),
-                (None, None) => bail!(
-                    "{flag} is missing: give --kv-bits for both halves, or both \
-                     --kv-key-bits and --kv-value-bits"
-                ),
-            };
-            crate::kv::quant::QuantFormat::new(bits, g)
-                .map_err(|e| anyhow::anyhow!("{from} {bits} --kv-group-size {g}: {e}"))
-        };
-        Ok(Some((
-            side(self.kv_key_bits, "--kv-key-bits")?,
-            side(self.kv_value_bits, "--kv-value-bits")?,
-        )))
-    }
-
-    /// The layers `--kv-dense-layers` names, resolved against `n` layers.
-    fn dense_layers(&self, n: usize) -> Result<Vec<usize>> {
-        let Some(spec) = &self.kv_dense_layers else {
-            return Ok(Vec::new());
-        };
-        let mut out = Vec::new();
-        for part in spec.split(',').map(str::trim) {
-            let idx: i64 = match part {
-                "last" => -1,
-                "first" => 0,
-                p => p.parse().map_err(|_| {
-                    anyhow::anyhow!(
-                        "--kv-dense-layers: '{p}' is not a layer index (use last, first or integers)"
-                    )
-                })?,
-            };
-            let l = if idx < 0 { n as i64 + idx } else { idx };
-            if l < 0 || l >= n as i64 {
-                bail!("--kv-dense-layers: layer {idx} is out of range for a {n}-layer model");
-            }
-            out.push(l as usize);
-        }
-        Ok(out)
-    }
-
-    /// A cache for `model` able to hold `capacity_tokens` tokens (plus one partial block per
-    /// sequence) for up to `max_batch` sequences at once, fed in prompt chunks of
-    /// `prefill_chunk` tokens, in the formats these flags ask for.
-    pub fn build_cache(
-        &self,
-        model: &crate::model::llama::Llama,
-        capacity_tokens: usize,
-        max_batch: usize,
-        prefill_chunk: usize,
-    ) -> Result<crate::kv::cache::PagedKvCache> {
-        let mut cfg = self.cache_config(model, 0, max_batch)?;
-        let mut blocks = capacity_tokens.div_ceil(cfg.block_size) + max_batch;
-        if cfg.window.is_some() {
-            // A window caps what each sequence can hold.
-            blocks = blocks.min(max_batch * cfg.max_blocks_for(usize::MAX / 2, prefill_chunk));
-        }
-        cfg.num_blocks = blocks;
-        Ok(crate::kv::cache::PagedKvCache::new(cfg, model.device())?)
-    }
-
-    /// The cache geometry these flags ask for, with `num_blocks` main-pool blocks and dense
-    /// staging (for --quantized-kv-start) sized for `max_batch` sequences. Allocates nothing.
-    pub fn cache_config(
-        &self,
-        model: &crate::model::llama::Llama,
-        num_blocks: usize,
-        max_batch: usize,
-    ) -> Result<crate::kv::cache::CacheConfig> {
-        use crate::kv::cache::{CacheConfig, Staging};
-        use crate::kv::layer::KvFormat;
-        self.validate()?;
-        let c = model.config();
-        let dtype = model.dtype();
-        let bs = self.kv_block_size;
-        let mut cfg = CacheConfig::dense(c.num_layers, c.num_kv_heads, c.head_dim, bs, 0, dtype);
-        if let Some((key, value)) = self.quant_formats()? {
-            key.check_dim(c.head_dim).map_err(|e| {
-                anyhow::anyhow!(
-                    "--kv-group-size {} does not fit this model's head_dim {} ({e}); \
-                     allowed group sizes divide {}",
-                    key.group_size(),
-                    c.head_dim,
-                    c.head_dim
-                )
-            })?;
-            let rotated = self.scheme_for(c.head_dim) == QuantScheme::Rotated;
-            if rotated {
-                crate::kv::rotation::Rotation::check(c.head_dim)
-                    .map_err(|e| anyhow::anyhow!("--kv-quant-scheme rotated: {e}; use affine"))?;
-            }
-            let dense = self.dense_layers(c.num_layers)?;
-            for (l, f) in cfg.formats.iter_mut().enumerate() {
-                if !dense.contains(&l) {
-                    *f = KvFormat::Affine {
-                        key,
-                        value,
-                        scale_dtype: dtype,
-                        rotated,
-                    };
-                }
-            }
-            if self.quantized_kv_start > 0 {
-                cfg.staging = Some(Staging {
-                    tokens: self.quantized_kv_start,
-                    dtype,
-                    num_blocks: max_batch * (cfg.blocks_for(self.quantized_kv_start) + 1),
-                });
-            }
-        }
-        cfg.window = self.max_kv_size;
-        cfg.num_blocks = num_blocks;
-        Ok(cfg)
     }
 }

@@ -22,7 +22,7 @@ use crate::engine::batch_io::{
 use crate::engine::request::Request;
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes};
-use crate::kv::cache::PagedKvCache;
+use crate::kv::cache::{PagedKvCache, PoolSizing};
 use crate::model::chat::Message;
 use crate::model::load::{load, LoadedModel};
 
@@ -123,9 +123,14 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     let mut sink = open_sink(args, resume.is_some())?;
 
     let device = args.device.open()?;
-    let loaded = load(&args.model, &device)?;
+    let loaded = load(&args.model.options(), &device)?;
     let model = &loaded.model;
-    let probe = args.kv.cache_config(model, 0, args.max_batch)?;
+    let kv = args.kv.options();
+    let sizing = |blocks| PoolSizing::Blocks {
+        blocks,
+        max_batch: args.max_batch,
+    };
+    let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0))?;
     // The weights are fingerprinted only when some request names a prompt cache.
     let identity = if records.iter().any(|r| r.prompt_cache.is_some()) {
         Some(loaded.identity()?)
@@ -165,7 +170,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     let block_bytes = probe.bytes_per_block();
     let blocks = budget_blocks(args, longest, block_size, block_bytes);
     let cache = PagedKvCache::new(
-        args.kv.cache_config(model, blocks, args.max_batch)?,
+        kv.cache_config(model.kv_shape(), model.dtype(), sizing(blocks))?,
         model.device(),
     )?;
     let kv_budget = blocks * block_bytes;
@@ -236,7 +241,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
 }
 
 fn check_flags(args: &BatchGenerateArgs) -> Result<()> {
-    args.kv.validate()?;
+    args.kv.options().validate()?;
     args.sampling.params().validate()?;
     if args.sampling.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -372,19 +377,11 @@ fn budget_blocks(
     }
     let one = longest.div_ceil(block_size) + 1;
     let want = one * args.max_batch;
-    let cap = available_memory().map(|b| b as usize / 2 / block_bytes.max(1));
+    let cap = crate::device::available_memory().map(|b| b as usize / 2 / block_bytes.max(1));
     match cap {
         Some(c) => want.min(c).max(one),
         None => want,
     }
-}
-
-/// Memory the OS could give us now (Linux MemAvailable).
-fn available_memory() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 /// Tokenizes one request and merges its overrides into the command-line defaults.

@@ -14,6 +14,7 @@ use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes, Stats};
 use crate::engine::text_stream::TextStream;
+use crate::kv::cache::{PagedKvCache, PoolSizing};
 use crate::model::chat::{read_messages, Message};
 use crate::model::load::{load, LoadedModel};
 
@@ -90,7 +91,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     };
     check_flags(args)?;
     let device = args.device.open()?;
-    let loaded = load(&args.model, &device)?;
+    let loaded = load(&args.model.options(), &device)?;
     let prompt = prompt_ids(args, &loaded)?;
     let out = generate(args, &loaded, prompt)?;
     if args.json {
@@ -127,7 +128,7 @@ fn read_prompt_file(path: &Path) -> Result<String> {
 
 /// Conflicting or empty inputs, refused before anything is loaded.
 fn check_flags(args: &GenerateArgs) -> Result<()> {
-    args.kv.validate()?;
+    args.kv.options().validate()?;
     args.sampling.params().validate()?;
     if args.sampling.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -207,16 +208,19 @@ impl Output {
 fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Output> {
     let model = &m.model;
     let window = model.config().max_position_embeddings;
-    if prompt.len() > window {
-        bail!(
-            "the prompt has {} tokens but the model's context window is {} tokens",
-            prompt.len(),
-            window
-        );
-    }
+    crate::engine::request::check_fits(prompt.len(), window)?;
     let max_tokens = args.sampling.max_tokens;
     let lifetime = (prompt.len() + max_tokens).min(window);
-    let cache = args.kv.build_cache(model, lifetime, 1, PREFILL_CHUNK)?;
+    let sizing = PoolSizing::Sequences {
+        tokens: lifetime,
+        max_batch: 1,
+        chunk: PREFILL_CHUNK,
+    };
+    let cfg = args
+        .kv
+        .options()
+        .cache_config(model.kv_shape(), model.dtype(), sizing)?;
+    let cache = PagedKvCache::new(cfg, model.device())?;
     let bytes_per_token = cache.config().bytes_per_token();
     let identity = if args.prompt_cache.is_some() || args.save_prompt_cache.is_some() {
         Some(m.identity()?)

@@ -9,8 +9,9 @@ use indicatif::ProgressBar;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::args::{DeviceArgs, KvArgs, LoadFormat, ModelArgs, QuantScheme};
+use super::args::{DeviceArgs, KvArgs, LoadFormat, ModelArgs};
 use crate::bench::perplexity::{evaluate, Options, Report, Setting};
+use crate::kv::cache::{KvOptions, PoolSizing, QuantScheme};
 use crate::model::llama::Llama;
 use crate::model::load::load;
 
@@ -123,33 +124,24 @@ fn parse_spec(item: &str) -> Result<Spec> {
     })
 }
 
-fn dtype_name(dt: DType) -> &'static str {
-    match dt {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "?",
-    }
-}
-
 /// The cache configuration of one spec: the KV flags with this entry's overrides.
-fn setting(spec: &Spec, base: &KvArgs, model: &Llama) -> Result<Setting> {
+fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> Result<Setting> {
     let mut kv = base.clone();
     match spec {
         Spec::Dense(dt) => {
-            kv.kv_bits = None;
-            kv.kv_key_bits = None;
-            kv.kv_value_bits = None;
-            kv.kv_group_size = None;
-            kv.kv_quant_scheme = None;
-            kv.kv_dense_layers = None;
+            kv.bits = None;
+            kv.key_bits = None;
+            kv.value_bits = None;
+            kv.group_size = None;
+            kv.scheme = None;
+            kv.dense_layers = None;
             kv.quantized_kv_start = 0;
-            let mut cfg = kv.cache_config(model, 0, 1)?;
+            let mut cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing)?;
             for f in cfg.formats.iter_mut() {
-                *f = crate::kv::layer::KvFormat::Dense(*dt);
+                *f = crate::kv::format::KvFormat::Dense(*dt);
             }
             Ok(Setting {
-                label: format!("{} (dense)", dtype_name(*dt)),
+                label: format!("{} (dense)", dt.as_str()),
                 config: cfg,
             })
         }
@@ -158,28 +150,24 @@ fn setting(spec: &Spec, base: &KvArgs, model: &Llama) -> Result<Setting> {
             scheme,
             group,
         } => {
-            kv.kv_bits = None;
-            kv.kv_key_bits = Some(bits.0);
-            kv.kv_value_bits = Some(bits.1);
+            kv.bits = None;
+            kv.key_bits = Some(bits.0);
+            kv.value_bits = Some(bits.1);
             if group.is_some() {
-                kv.kv_group_size = *group;
+                kv.group_size = *group;
             }
             if scheme.is_some() {
-                kv.kv_quant_scheme = *scheme;
+                kv.scheme = *scheme;
             }
-            let cfg = kv.cache_config(model, 0, 1)?;
+            let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing)?;
             let scheme = kv.scheme_for(model.config().head_dim);
             let width = if bits.0 == bits.1 {
                 format!("{}-bit", bits.0)
             } else {
                 format!("K{}/V{}-bit", bits.0, bits.1)
             };
-            let mut label = format!(
-                "{width} g{} {}",
-                kv.kv_group_size.unwrap_or(64),
-                scheme.name()
-            );
-            if kv.kv_dense_layers.is_some() || kv.quantized_kv_start > 0 {
+            let mut label = format!("{width} g{} {}", kv.group_size.unwrap_or(64), scheme.name());
+            if kv.dense_layers.is_some() || kv.quantized_kv_start > 0 {
                 label += " (+dense parts)";
             }
             Ok(Setting { label, config: cfg })
@@ -188,7 +176,7 @@ fn setting(spec: &Spec, base: &KvArgs, model: &Llama) -> Result<Setting> {
 }
 
 pub fn run(args: &PerplexityArgs) -> Result<()> {
-    args.kv.validate()?;
+    args.kv.options().validate()?;
     if args.model.load_format == LoadFormat::Dummy {
         bail!(
             "perplexity of random weights (--load-format dummy) means nothing: run it on a real \
@@ -212,7 +200,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
         Some(list) => parse_specs(list)?,
         None => {
             let mut v = vec![];
-            if let Some((k, val)) = args.kv.quant_formats()? {
+            if let Some((k, val)) = args.kv.options().quant_formats()? {
                 v.push(Spec::Quant {
                     bits: (k.bits(), val.bits()),
                     scheme: None,
@@ -225,7 +213,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let device = args.device.open()?;
-    let loaded = load(&args.model, &device)?;
+    let loaded = load(&args.model.options(), &device)?;
     let model = &loaded.model;
     if args.ctx > model.config().max_position_embeddings {
         bail!(
@@ -237,9 +225,16 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
     if !matches!(specs.first(), Some(Spec::Dense(_))) {
         specs.insert(0, Spec::Dense(model.dtype()));
     }
+    let kv = args.kv.options();
     let settings = specs
         .iter()
-        .map(|s| setting(s, &args.kv, model))
+        .map(|s| {
+            let sizing = PoolSizing::Window {
+                tokens: args.ctx,
+                chunk: args.chunk,
+            };
+            setting(s, &kv, model, sizing)
+        })
         .collect::<Result<Vec<_>>>()?;
 
     let mut tokens = loaded.tokenizer.encode(&text, false)?;

@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::engine::request::CachedPrefix;
-use crate::kv::cache::CacheConfig;
-use crate::kv::layer::LayerRows;
-use crate::kv::prompt_cache::{
+use crate::kv::cache::prompt_file::{
     reusable_prefix, save, ModelIdentity, PromptCacheFile, PromptCacheMeta,
 };
+use crate::kv::cache::CacheConfig;
+use crate::kv::format::LayerRows;
 use crate::model::load::LoadedModel;
 
 /// Opened prompt-cache files by path, so requests naming the same file share one mapping.

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::sampler::SamplingParams;
-use crate::kv::prompt_cache::PromptCacheFile;
+use crate::kv::cache::prompt_file::PromptCacheFile;
 
 /// What one caller asks for, in tokens (text handling stays with the caller).
 #[derive(Debug, Clone)]
@@ -14,6 +14,17 @@ pub struct Request {
     pub max_tokens: usize,
     /// Token ids that end generation; the ending id is reported like any other token.
     pub eos: Vec<u32>,
+}
+
+/// Refuses a prompt longer than the model's context window (`window` positions): the one
+/// check and message of every front end.
+pub fn check_fits(prompt_len: usize, window: usize) -> anyhow::Result<()> {
+    if prompt_len > window {
+        anyhow::bail!(
+            "the prompt has {prompt_len} tokens but the model's context window is {window} tokens"
+        );
+    }
+    Ok(())
 }
 
 impl Request {

@@ -22,7 +22,7 @@ use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
 use crate::kv::cache::{PagedKvCache, SeqId};
-use crate::kv::layer::LayerRows;
+use crate::kv::format::LayerRows;
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
 /// Scheduling limits.
@@ -101,13 +101,7 @@ impl<'m> Engine<'m> {
         if req.prompt.is_empty() {
             bail!("the prompt is empty (0 tokens)");
         }
-        if req.prompt.len() > window {
-            bail!(
-                "the prompt has {} tokens but the model's context window is {} tokens",
-                req.prompt.len(),
-                window
-            );
-        }
+        crate::engine::request::check_fits(req.prompt.len(), window)?;
         if req.max_tokens == 0 {
             bail!("--max-tokens must be at least 1");
         }

@@ -89,3 +89,33 @@ pub(crate) fn kernel(dev: &CudaDevice, module: Module, name: &str) -> Result<Ker
     kernels.insert(key, k.clone());
     Ok(k)
 }
+
+/// The kernel-name suffix of a float dtype (`f32`, `f16`, `bf16`); `None` for other dtypes.
+pub(crate) fn dtype_suffix(dtype: candle_core::DType) -> Option<&'static str> {
+    use candle_core::DType;
+    match dtype {
+        DType::F32 => Some("f32"),
+        DType::F16 => Some("f16"),
+        DType::BF16 => Some("bf16"),
+        _ => None,
+    }
+}
+
+/// A contiguous tensor whose data starts 16-byte aligned (the kernels use vector loads);
+/// copies only when the view starts mid-buffer at an unaligned offset.
+pub(crate) fn aligned(t: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    let t = t.contiguous()?;
+    if (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16) {
+        Ok(t)
+    } else {
+        t.copy()
+    }
+}
+
+/// Which CUDA decode kernel family to force, from `KVQ_CUDA_DECODE` (read once per process):
+/// `v1` the block-wide kernel, `v2` SIMT scores for every width; anything else the default
+/// choice. For A/B runs and tests.
+pub(crate) fn decode_override() -> &'static str {
+    static CHOICE: OnceLock<String> = OnceLock::new();
+    CHOICE.get_or_init(|| std::env::var("KVQ_CUDA_DECODE").unwrap_or_default())
+}

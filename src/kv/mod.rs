@@ -1,13 +1,13 @@
-//! The KV cache: quantization format and ops (`quant`), the paged block pool and per-sequence
-//! block tables (`cache`), attention over cached blocks (`attention`), and prompt-cache files
-//! (`prompt_cache`).
+//! The KV cache, in three layers that only point down (docs/ARCHITECTURE.md):
+//! - [`format`]: what a token's K/V rows look like (dense, affine groups, rotation) and the
+//!   quantize / dequantize ops over them;
+//! - [`cache`]: the paged block pool that owns every layer's storage, block tables, staging,
+//!   windows, and prompt-cache files (export / import of a sequence's rows);
+//! - [`attend`]: attention over the cache — the per-step plan, prefill and decode, with cpu /
+//!   cuda / generic backends (generic is the reference).
 
-pub mod attention;
+pub mod attend;
 pub mod cache;
-pub mod decode;
+pub mod format;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernels;
-pub mod layer;
-pub mod prompt_cache;
-pub mod quant;
-pub mod rotation;

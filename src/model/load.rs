@@ -15,10 +15,10 @@ use super::fetch;
 use super::fingerprint::WeightSource;
 use super::hub::{self, HubModel, ModelFiles};
 use super::llama::Llama;
+use super::options::{LoadFormat, ModelOptions};
 use super::tokenizer::TextTokenizer;
 use super::weights::Weights;
-use crate::cli::args::{LoadFormat, ModelArgs};
-use crate::kv::prompt_cache::ModelIdentity;
+use crate::kv::cache::prompt_file::ModelIdentity;
 
 pub struct LoadedModel {
     pub model: Llama,
@@ -66,7 +66,7 @@ impl LoadedModel {
 }
 
 /// Loads what `args` names onto `device`.
-pub fn load(args: &ModelArgs, device: &Device) -> Result<LoadedModel> {
+pub fn load(args: &ModelOptions, device: &Device) -> Result<LoadedModel> {
     let dtype = args.dtype_for(device);
     if args.load_format == LoadFormat::Dummy {
         return load_dummy(args, device, dtype);
@@ -137,7 +137,7 @@ fn looks_like_path(spec: &str) -> bool {
 
 fn load_gguf(
     path: &Path,
-    args: &ModelArgs,
+    args: &ModelOptions,
     device: &Device,
     dtype: DType,
 ) -> Result<(Llama, TextTokenizer, String, WeightSource)> {
@@ -172,7 +172,7 @@ fn load_gguf(
 
 fn load_safetensors(
     files: &ModelFiles,
-    args: &ModelArgs,
+    args: &ModelOptions,
     device: &Device,
     dtype: DType,
     spec: &str,
@@ -199,7 +199,7 @@ fn load_safetensors(
     ))
 }
 
-fn load_dummy(args: &ModelArgs, device: &Device, dtype: DType) -> Result<LoadedModel> {
+fn load_dummy(args: &ModelOptions, device: &Device, dtype: DType) -> Result<LoadedModel> {
     let config: &PathBuf = args
         .config
         .as_ref()

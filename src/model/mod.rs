@@ -8,5 +8,6 @@ pub mod fingerprint;
 pub mod hub;
 pub mod llama;
 pub mod load;
+pub mod options;
 pub mod tokenizer;
 pub mod weights;

@@ -144,17 +144,9 @@ pub fn dense_is_better(content: &gguf_file::Content, device: &Device, dtype: DTy
     dense_bytes <= available_memory() / 2
 }
 
-/// Memory the OS can give us now (Linux `MemAvailable`; 4 GiB where it cannot be read).
+/// Memory the OS can give us now (4 GiB where it cannot be read).
 fn available_memory() -> usize {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<usize>().ok())
-        })
-        .map_or(4 << 30, |kb| kb * 1024)
+    crate::device::available_memory().map_or(4 << 30, |b| b as usize)
 }
 
 /// Loads decoder tensors on one device in one compute dtype.

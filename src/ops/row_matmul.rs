@@ -20,10 +20,9 @@ use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::kv::decode::cpu::simd::{Portable, Simd};
 #[cfg(target_arch = "x86_64")]
-use crate::kv::decode::cpu::{avx2, avx512};
-use crate::kv::decode::cpu::{Elem, Isa};
+use crate::simd::{avx2, avx512};
+use crate::simd::{Elem, Isa, Portable, Simd};
 
 /// Rows of `x` per register block.
 const MR: usize = 4;

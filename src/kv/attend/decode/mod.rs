@@ -1,5 +1,5 @@
 //! Decode attention: one new query token per sequence over its paged, optionally quantized cache
-//! (DESIGN.md §6).
+//! (docs/ARCHITECTURE.md).
 //!
 //! The kernels read the pool's blocks in place through each sequence's block table; quantized
 //! blocks are never expanded to a dense copy. The CUDA kernel uses, per quantization group,
@@ -25,9 +25,10 @@ mod cuda;
 pub mod generic;
 
 use candle_core::{DType, Device, Result, Tensor};
+use std::borrow::Cow;
 
-use super::layer::LayerKv;
-use super::rotation::Rotation;
+use crate::kv::format::rotation::Rotation;
+use crate::kv::format::LayerKv;
 
 /// Why a decode-attention call is refused; each message names the offending input.
 #[derive(Debug, thiserror::Error)]
@@ -208,23 +209,59 @@ fn check_shapes(
     })
 }
 
-/// Host copies of the block tables, starts and lens, checked against the pool: every visible
-/// position must map to an existing block.
-pub(crate) struct Tables {
+/// The host side of a step's block tables (row-major `[B, max_blocks]`), starts and lens, as
+/// the step's plan built them before uploading: the CPU and generic paths use these instead of
+/// reading the tensors back in every layer.
+#[derive(Debug, Clone, Default)]
+pub struct HostTables {
     pub tables: Vec<u32>,
     pub starts: Vec<u32>,
     pub lens: Vec<u32>,
 }
 
-fn read_tables(
+/// Host views of the block tables, starts and lens, checked against the pool: every visible
+/// position must map to an existing block.
+pub(crate) struct Tables<'a> {
+    pub tables: Cow<'a, [u32]>,
+    pub starts: Cow<'a, [u32]>,
+    pub lens: Cow<'a, [u32]>,
+}
+
+/// Host u32s, borrowed from the plan or read back from a tensor.
+type Ids<'a> = Cow<'a, [u32]>;
+
+fn read_tables<'a>(
     dims: &Dims,
     block_tables: &Tensor,
     starts: &Tensor,
     lens: &Tensor,
-) -> Result<Tables> {
-    let tables: Vec<u32> = block_tables.flatten_all()?.to_vec1()?;
-    let starts: Vec<u32> = starts.to_vec1()?;
-    let lens: Vec<u32> = lens.to_vec1()?;
+    host: Option<&'a HostTables>,
+) -> Result<Tables<'a>> {
+    let (tables, starts, lens): (Ids, Ids, Ids) = match host {
+        Some(h) => (
+            Cow::Borrowed(&h.tables),
+            Cow::Borrowed(&h.starts),
+            Cow::Borrowed(&h.lens),
+        ),
+        None => (
+            Cow::Owned(block_tables.flatten_all()?.to_vec1()?),
+            Cow::Owned(starts.to_vec1()?),
+            Cow::Owned(lens.to_vec1()?),
+        ),
+    };
+    if tables.len() != dims.batch * dims.max_blocks
+        || starts.len() != dims.batch
+        || lens.len() != dims.batch
+    {
+        return Err(shape_err(format!(
+            "host tables of {} / {} / {} entries for {} sequences x {} blocks",
+            tables.len(),
+            starts.len(),
+            lens.len(),
+            dims.batch,
+            dims.max_blocks
+        )));
+    }
     for b in 0..dims.batch {
         let (s, l) = (starts[b] as usize, lens[b] as usize);
         let err =
@@ -314,6 +351,35 @@ pub fn decode_attention_rotated(
     scale: f32,
     rot: Option<&Rotation>,
 ) -> Result<Tensor> {
+    let tables = StepTables {
+        tables: block_tables,
+        starts,
+        lens,
+        host: None,
+    };
+    decode_attention_step(q, kv, &tables, block_size, num_kv_heads, scale, rot)
+}
+
+/// One decode step's block tables, starts and lens on the device, with their host copies when
+/// the caller built them (see [`HostTables`]).
+pub struct StepTables<'a> {
+    pub tables: &'a Tensor,
+    pub starts: &'a Tensor,
+    pub lens: &'a Tensor,
+    pub host: Option<&'a HostTables>,
+}
+
+/// [`decode_attention_rotated`] with the step's tables as one argument.
+pub fn decode_attention_step(
+    q: &Tensor,
+    kv: &LayerKv,
+    step: &StepTables<'_>,
+    block_size: usize,
+    num_kv_heads: usize,
+    scale: f32,
+    rot: Option<&Rotation>,
+) -> Result<Tensor> {
+    let (block_tables, starts, lens) = (step.tables, step.starts, step.lens);
     let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
     if dims.batch == 0 {
         return q.zeros_like();
@@ -333,7 +399,7 @@ pub fn decode_attention_rotated(
         }
         None => q,
     };
-    let t = read_tables(&dims, block_tables, starts, lens)?;
+    let t = read_tables(&dims, block_tables, starts, lens, step.host)?;
     let o = match q.device() {
         Device::Cpu if !mixed => cpu::decode(q, kv, &dims, &t, scale)?,
         _ => generic::decode_checked(q, kv, &dims, &t, scale)?,

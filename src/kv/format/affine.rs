@@ -25,7 +25,7 @@ impl From<QuantError> for candle_core::Error {
 }
 
 /// Affine group quantization setting: `bits` per value, one f-type scale and bias per
-/// `group_size` consecutive values of the last dimension (DESIGN.md §4).
+/// `group_size` consecutive values of the last dimension (docs/ARCHITECTURE.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QuantFormat {
     bits: u32,

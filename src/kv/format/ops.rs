@@ -1,5 +1,5 @@
 //! Affine group quantization of KV tensors, bit-exact with MLX's `mx.quantize` /
-//! `mx.dequantize` (DESIGN.md §4).
+//! `mx.dequantize` (docs/ARCHITECTURE.md).
 //!
 //! A tensor `[..., D]` becomes `codes` (u32 `[..., D*bits/32]`, one LSB-first bit stream per
 //! row), `scales` and `biases` (`[..., D/g]`, the input's dtype). Parameters are computed in f32
@@ -23,110 +23,13 @@
 //! This keeps one kernel per backend, works on every backend, and costs one extra copy of the
 //! *compressed* bytes of the new tokens only; history is never touched or re-quantized.
 
-mod cpu;
 #[cfg(feature = "cuda")]
-mod cuda;
-mod format;
-pub mod generic;
-mod pack;
+use super::cuda;
+pub use super::quantized::Quantized;
+use super::quantized::{check_input, check_quantized, with_last, wrap};
+use super::{cpu, generic, QuantError, QuantFormat};
 
-pub use format::{QuantError, QuantFormat};
-
-use candle_core::op::BackpropOp;
-use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor, D};
-
-/// A quantized tensor: codes plus per-group scales and biases (see the module doc).
-#[derive(Debug, Clone)]
-pub struct Quantized {
-    /// u32 `[..., D*bits/32]`.
-    pub codes: Tensor,
-    /// `[..., D/g]`, the dtype of the quantized input.
-    pub scales: Tensor,
-    /// `[..., D/g]`, same dtype as `scales`.
-    pub biases: Tensor,
-}
-
-impl Quantized {
-    /// Exact bytes held by the three tensors.
-    pub fn bytes(&self) -> usize {
-        [&self.codes, &self.scales, &self.biases]
-            .iter()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum()
-    }
-}
-
-/// Checks a float input `[..., D]` against the format; returns (rows, D).
-fn check_input(x: &Tensor, fmt: QuantFormat, op: &'static str) -> Result<(usize, usize)> {
-    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        return Err(QuantError::DType {
-            op,
-            dtype: x.dtype(),
-        }
-        .into());
-    }
-    if x.rank() == 0 {
-        return Err(QuantError::Shape {
-            op,
-            msg: "input is a scalar; expected [..., D]".into(),
-        }
-        .into());
-    }
-    let d = x.dim(D::Minus1)?;
-    fmt.check_dim(d)?;
-    Ok((x.elem_count() / d, d))
-}
-
-/// Checks that codes / scales / biases have matching shapes for the format; returns (rows, D).
-fn check_quantized(q: &Quantized, fmt: QuantFormat, op: &'static str) -> Result<(usize, usize)> {
-    let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
-    if q.codes.dtype() != DType::U32 {
-        return Err(shape_err(format!(
-            "codes must be u32, got {:?}",
-            q.codes.dtype()
-        )));
-    }
-    let dtype = q.scales.dtype();
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(QuantError::DType { op, dtype }.into());
-    }
-    if q.biases.dtype() != dtype || q.biases.dims() != q.scales.dims() {
-        return Err(shape_err(format!(
-            "biases {:?} {:?} do not match scales {:?} {:?}",
-            q.biases.dims(),
-            q.biases.dtype(),
-            q.scales.dims(),
-            dtype
-        )));
-    }
-    if q.scales.rank() == 0 || q.codes.rank() != q.scales.rank() {
-        return Err(shape_err(
-            "codes and scales must have the same rank ≥ 1".into(),
-        ));
-    }
-    let d = q.scales.dim(D::Minus1)? * fmt.group_size();
-    fmt.check_dim(d)?;
-    let (cl, sl) = (q.codes.dims(), q.scales.dims());
-    if cl[..cl.len() - 1] != sl[..sl.len() - 1] || cl[cl.len() - 1] != fmt.words_per_row(d) {
-        return Err(shape_err(format!(
-            "codes {cl:?} do not match scales {sl:?} for {fmt} (expected {} words per row)",
-            fmt.words_per_row(d)
-        )));
-    }
-    Ok((q.scales.elem_count() / fmt.groups_per_row(d), d))
-}
-
-/// The shape of `x` with its last dimension replaced by `n`.
-fn with_last(x: &Tensor, n: usize) -> Vec<usize> {
-    let mut dims = x.dims().to_vec();
-    let last = dims.len() - 1;
-    dims[last] = n;
-    dims
-}
-
-fn wrap(storage: Storage, shape: Vec<usize>) -> Tensor {
-    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
-}
+use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 
 /// Quantizes `x [..., D]` (f32, f16 or bf16). Fused kernel on CPU (multi-threaded, rayon) and
 /// CUDA; generic candle ops on every other backend.
@@ -327,7 +230,7 @@ pub fn fused_rotation(x: &Tensor, pool_dtype: DType, head_dim: usize) -> bool {
 
 /// [`quantize_into_rows`] of K and V (`[n, d]`, `d` whole head vectors) after the rotated
 /// scheme's rotation, whose sign vector is `signs` (f32 `[head_dim]`, see
-/// [`Rotation`](crate::kv::rotation::Rotation)): one launch rotates and quantizes both, so a decode
+/// [`Rotation`](super::rotation::Rotation)): one launch rotates and quantizes both, so a decode
 /// step's write costs one kernel per layer instead of two matmuls, two casts and two quantize
 /// launches. Only where [`fused_rotation`] holds; both pools in format `fmt`.
 #[allow(clippy::too_many_arguments)]

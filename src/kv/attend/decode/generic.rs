@@ -5,8 +5,8 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::{check_shapes, read_tables, Dims, Tables};
-use crate::kv::attention::attend_one;
-use crate::kv::layer::LayerKv;
+use crate::kv::attend::dense::attend_one;
+use crate::kv::format::LayerKv;
 
 /// [`super::decode_attention`] computed the reference way, on any device (same arguments and
 /// checks; tables, starts and lens are read back to the host).
@@ -25,7 +25,7 @@ pub fn decode_attention(
     if dims.batch == 0 {
         return q.zeros_like();
     }
-    let t = read_tables(&dims, block_tables, starts, lens)?;
+    let t = read_tables(&dims, block_tables, starts, lens, None)?;
     decode_checked(q, kv, &dims, &t, scale)
 }
 

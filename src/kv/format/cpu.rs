@@ -25,9 +25,9 @@ const VALUES_PER_TASK: usize = 1 << 15;
 
 /// The vector conversions an element type needs on x86-64; nothing elsewhere.
 #[cfg(target_arch = "x86_64")]
-pub(crate) trait Simd: x86::Lanes {}
+pub(crate) trait Simd: crate::simd::lanes::Lanes {}
 #[cfg(target_arch = "x86_64")]
-impl<T: x86::Lanes> Simd for T {}
+impl<T: crate::simd::lanes::Lanes> Simd for T {}
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) trait Simd {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -152,7 +152,7 @@ fn quantize_b<T: Elem, const B: u32>(
         .zip(biases.par_chunks_mut(rpt * groups))
         .for_each(|(((x, codes), scales), biases)| {
             #[cfg(target_arch = "x86_64")]
-            if x86::available() {
+            if crate::simd::avx2::available() {
                 // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
                 return unsafe { x86::quantize_block::<T, B>(x, d, group, codes, scales, biases) };
             }
@@ -244,7 +244,7 @@ fn dequantize_b<T: Elem, const B: u32>(
         .zip(biases.par_chunks(rpt * groups))
         .for_each(|(((out, codes), scales), biases)| {
             #[cfg(target_arch = "x86_64")]
-            if x86::available() {
+            if crate::simd::avx2::available() {
                 // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
                 return unsafe {
                     x86::dequantize_block::<T, B>(codes, scales, biases, d, group, out)
@@ -376,7 +376,7 @@ mod tests {
 
     #[test]
     fn vector_kernels_match_portable_bit_for_bit() {
-        if !x86::available() {
+        if !crate::simd::avx2::available() {
             eprintln!("skipped: no AVX2/F16C on this CPU");
             return;
         }

@@ -1,6 +1,7 @@
 //! Launches the fused CUDA kernels of `kernels/quant.cu` (one thread per 8 values).
 
-use super::{with_last, wrap, QuantFormat, Quantized};
+use super::quantized::{with_last, wrap, Quantized};
+use super::{QuantError, QuantFormat};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -8,7 +9,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
 
-use crate::kv::kernels::{kernel, Module};
+use crate::kv::kernels::{aligned, dtype_suffix, kernel, Module};
 
 const THREADS: u32 = 256;
 /// Chunks of 8 values per quantize thread (`KVQ_Q_UNROLL` in kernels/quant.cu).
@@ -23,27 +24,13 @@ fn launch_cfg(nchunks: usize, per_thread: usize) -> LaunchConfig {
 }
 
 fn dtype_name(dtype: DType) -> Result<&'static str> {
-    match dtype {
-        DType::F32 => Ok("f32"),
-        DType::F16 => Ok("f16"),
-        DType::BF16 => Ok("bf16"),
-        other => Err(super::QuantError::DType {
+    dtype_suffix(dtype).ok_or_else(|| {
+        QuantError::DType {
             op: "quantize",
-            dtype: other,
+            dtype,
         }
-        .into()),
-    }
-}
-
-/// The vector loads need 16-byte aligned rows: copy a tensor whose view starts mid-buffer.
-fn aligned(t: &Tensor) -> Result<Tensor> {
-    let t = t.contiguous()?;
-    let off = t.layout().start_offset() * t.dtype().size_in_bytes();
-    if off % 16 == 0 {
-        Ok(t)
-    } else {
-        t.copy()
-    }
+        .into()
+    })
 }
 
 fn cuda_parts(t: &Tensor) -> Result<(StorageRef<'_>, usize, usize)> {
@@ -121,7 +108,7 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
         DType::F16 => done!(f16),
         DType::BF16 => done!(bf16),
         other => {
-            return Err(super::QuantError::DType {
+            return Err(QuantError::DType {
                 op: "quantize",
                 dtype: other,
             }
@@ -192,7 +179,7 @@ pub(super) fn quantize_into_rows(
         DType::F32 => run::<f32>(&x, fmt, dst, rows, d, n),
         DType::F16 => run::<f16>(&x, fmt, dst, rows, d, n),
         DType::BF16 => run::<bf16>(&x, fmt, dst, rows, d, n),
-        other => Err(super::QuantError::DType {
+        other => Err(QuantError::DType {
             op: "quantize_into_rows",
             dtype: other,
         }
@@ -240,7 +227,7 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
         DType::F16 => run::<f16>(&codes, &scales, &biases, fmt)?,
         DType::BF16 => run::<bf16>(&codes, &scales, &biases, fmt)?,
         other => {
-            return Err(super::QuantError::DType {
+            return Err(QuantError::DType {
                 op: "dequantize",
                 dtype: other,
             }
@@ -342,7 +329,7 @@ pub(super) fn quantize_rot_into_rows(
         (DType::F32, DType::BF16) => run::<f32, bf16>(x, pools, fmt, rows, signs, sizes),
         (DType::F16, DType::F16) => run::<f16, f16>(x, pools, fmt, rows, signs, sizes),
         (DType::BF16, DType::BF16) => run::<bf16, bf16>(x, pools, fmt, rows, signs, sizes),
-        (_, other) => Err(super::QuantError::DType {
+        (_, other) => Err(QuantError::DType {
             op: "quantize_rot_into_rows",
             dtype: other,
         }

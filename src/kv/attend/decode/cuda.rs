@@ -2,9 +2,9 @@
 //! (sequence × KV head, position split, query-head chunk), then `decode_merge`.
 
 use super::Dims;
-use crate::kv::kernels::{kernel, Module};
-use crate::kv::layer::LayerKv;
-use crate::kv::rotation::Rotation;
+use crate::kv::format::rotation::Rotation;
+use crate::kv::format::LayerKv;
+use crate::kv::kernels::{aligned, decode_override, dtype_suffix, kernel, Module};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
@@ -78,17 +78,6 @@ fn err(msg: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(format!("decode_attention (cuda): {}", msg.into()))
 }
 
-/// A contiguous tensor whose data starts 16-byte aligned (the kernel uses vector loads);
-/// copies only when the view starts mid-buffer at an unaligned offset.
-fn aligned(t: &Tensor) -> Result<Tensor> {
-    let t = t.contiguous()?;
-    if (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0 {
-        Ok(t)
-    } else {
-        t.copy()
-    }
-}
-
 fn view<'a, T: candle_core::cuda_backend::CudaDType>(
     s: &'a Storage,
     l: &candle_core::Layout,
@@ -103,12 +92,7 @@ fn view<'a, T: candle_core::cuda_backend::CudaDType>(
 }
 
 fn dtype_name(d: DType) -> Result<&'static str> {
-    Ok(match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => return Err(err(format!("unsupported cache dtype {other:?}"))),
-    })
+    dtype_suffix(d).ok_or_else(|| err(format!("unsupported cache dtype {d:?}")))
 }
 
 /// Splits per (sequence, KV head) and positions per split, from the table's capacity (the
@@ -152,7 +136,7 @@ pub(super) fn decode(
     // warp-independent kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT
     // otherwise (decode_q_*). KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT
     // scores for every width (A/B and tests).
-    let choice = std::env::var("KVQ_CUDA_DECODE").unwrap_or_default();
+    let choice = decode_override();
     let warp_kernel = match kv {
         LayerKv::Affine { kfmt, vfmt, .. } => {
             kfmt == vfmt

@@ -9,8 +9,8 @@
 //!   stream is cut into 32-bit rows, and each word is the sum of `bit_j · 2^j` (no bits overlap,
 //!   so the sum never exceeds u32).
 
-use super::format::QuantFormat;
-use super::{check_input, Quantized};
+use super::quantized::{check_input, check_quantized, with_last, Quantized};
+use super::QuantFormat;
 use candle_core::{DType, Device, Result, Tensor, D};
 
 const ROUND_MAGIC: f64 = 12_582_912.0;
@@ -85,7 +85,7 @@ pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
     let stream = to_bits(&codes, b)?.reshape((rows, fmt.words_per_row(d), 32))?;
     let words = from_bits(&stream, 32)?;
 
-    let out_shape = |n: usize| super::with_last(x, n);
+    let out_shape = |n: usize| with_last(x, n);
     Ok(Quantized {
         codes: words.reshape(out_shape(fmt.words_per_row(d)))?,
         scales: scale.to_dtype(dtype)?.reshape(out_shape(groups))?,
@@ -96,7 +96,7 @@ pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
 /// Dequantizes with candle ops only, in the scales' dtype (half types round after the product
 /// and after the sum, like the fused kernels).
 pub fn dequantize(q: &Quantized, fmt: QuantFormat) -> Result<Tensor> {
-    let (rows, d) = super::check_quantized(q, fmt, "dequantize")?;
+    let (rows, d) = check_quantized(q, fmt, "dequantize")?;
     let dtype = q.scales.dtype();
     let (g, b) = (fmt.group_size(), fmt.bits());
     let groups = fmt.groups_per_row(d);

@@ -22,8 +22,8 @@ use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use super::layer::{KvFormat, LayerRows};
-use super::quant::{QuantFormat, Quantized};
+use crate::kv::format::tag::{file_tensors, format_name, format_tag, parse_format};
+use crate::kv::format::{KvFormat, LayerRows};
 
 /// The file format version this code writes and reads.
 pub const VERSION: &str = "1";
@@ -74,119 +74,6 @@ pub struct ModelIdentity {
     pub head_dim: usize,
 }
 
-/// A format as written in `kvq.layers`.
-pub fn format_tag(f: &KvFormat) -> String {
-    match f {
-        KvFormat::Dense(dt) => format!("dense:{}", dtype_name(*dt)),
-        KvFormat::Affine {
-            key,
-            value,
-            scale_dtype,
-            rotated,
-        } => format!(
-            "{}:{}/{}:{}:{}",
-            if *rotated { "rotated" } else { "affine" },
-            key.bits(),
-            value.bits(),
-            key.group_size(),
-            dtype_name(*scale_dtype)
-        ),
-    }
-}
-
-/// A format as a person reads it in an error message.
-pub fn format_name(f: &KvFormat) -> String {
-    match f {
-        KvFormat::Dense(dt) => format!("dense {}", dtype_name(*dt)),
-        KvFormat::Affine {
-            key,
-            value,
-            scale_dtype,
-            rotated,
-        } => {
-            let width = if key == value {
-                format!("{key}")
-            } else {
-                format!("keys {key}, values {value}")
-            };
-            let scheme = if *rotated { "rotated" } else { "affine" };
-            format!("{scheme} {width} with {} scales", dtype_name(*scale_dtype))
-        }
-    }
-}
-
-fn parse_format(tag: &str) -> Option<KvFormat> {
-    let parts: Vec<&str> = tag.split(':').collect();
-    match parts.as_slice() {
-        ["dense", dt] => Some(KvFormat::Dense(parse_dtype(dt)?)),
-        [scheme @ ("affine" | "rotated"), bits, group, dt] => {
-            let (k, v) = bits.split_once('/')?;
-            let g: usize = group.parse().ok()?;
-            Some(KvFormat::Affine {
-                key: QuantFormat::new(k.parse().ok()?, g).ok()?,
-                value: QuantFormat::new(v.parse().ok()?, g).ok()?,
-                scale_dtype: parse_dtype(dt)?,
-                rotated: *scheme == "rotated",
-            })
-        }
-        _ => None,
-    }
-}
-
-fn dtype_name(dt: DType) -> &'static str {
-    dt.as_str()
-}
-
-fn parse_dtype(s: &str) -> Option<DType> {
-    match s {
-        "f32" => Some(DType::F32),
-        "f16" => Some(DType::F16),
-        "bf16" => Some(DType::BF16),
-        _ => None,
-    }
-}
-
-/// The tensors of one layer: (name, columns, dtype) in file order.
-fn layer_tensors(l: usize, f: &KvFormat, width: usize) -> Vec<(String, usize, DType)> {
-    let mut out = Vec::new();
-    for kv in ["k", "v"] {
-        match f {
-            KvFormat::Affine {
-                key,
-                value,
-                scale_dtype,
-                ..
-            } => {
-                let fmt = if kv == "k" { key } else { value };
-                out.push((
-                    format!("{l}.{kv}.codes"),
-                    fmt.words_per_row(width),
-                    DType::U32,
-                ));
-                out.push((
-                    format!("{l}.{kv}.scales"),
-                    fmt.groups_per_row(width),
-                    *scale_dtype,
-                ));
-                out.push((
-                    format!("{l}.{kv}.biases"),
-                    fmt.groups_per_row(width),
-                    *scale_dtype,
-                ));
-            }
-            other => out.push((format!("{l}.{kv}"), width, dense_dtype(other))),
-        }
-    }
-    out
-}
-
-fn dense_dtype(f: &KvFormat) -> DType {
-    match f {
-        KvFormat::Dense(dt) => *dt,
-        _ => DType::F32,
-    }
-}
-
 /// Writes `rows` (one entry per layer, one row per token of `meta.tokens`) to `path`: to a
 /// temporary file first, then renamed, so a reader never sees half a file.
 pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<()> {
@@ -213,19 +100,9 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
                 format_name(f)
             )));
         }
-        let cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.contiguous();
-        match r {
-            LayerRows::Dense { k, v } => {
-                tensors.push((format!("{l}.k"), cpu(k)?));
-                tensors.push((format!("{l}.v"), cpu(v)?));
-            }
-            LayerRows::Affine { k, v, .. } => {
-                for (kv, q) in [("k", k), ("v", v)] {
-                    tensors.push((format!("{l}.{kv}.codes"), cpu(&q.codes)?));
-                    tensors.push((format!("{l}.{kv}.scales"), cpu(&q.scales)?));
-                    tensors.push((format!("{l}.{kv}.biases"), cpu(&q.biases)?));
-                }
-            }
+        let names = file_tensors(l, &r.format(), meta.num_kv_heads * meta.head_dim);
+        for ((name, _, _), t) in names.into_iter().zip(r.tensors()) {
+            tensors.push((name, t.to_device(&Device::Cpu)?.contiguous()?));
         }
     }
     let tokens = serde_json::to_string(&meta.tokens).map_err(|e| fail(e.to_string()))?;
@@ -398,34 +275,11 @@ impl PromptCacheFile {
         };
         let mut out = Vec::with_capacity(self.meta.num_layers);
         for (l, f) in self.meta.formats.iter().enumerate() {
-            let t = layer_tensors(l, f, width);
-            let get = |i: usize| load(&t[i].0, t[i].1, t[i].2);
-            out.push(match f {
-                KvFormat::Affine {
-                    key,
-                    value,
-                    rotated,
-                    ..
-                } => LayerRows::Affine {
-                    kfmt: *key,
-                    vfmt: *value,
-                    rotated: *rotated,
-                    k: Quantized {
-                        codes: get(0)?,
-                        scales: get(1)?,
-                        biases: get(2)?,
-                    },
-                    v: Quantized {
-                        codes: get(3)?,
-                        scales: get(4)?,
-                        biases: get(5)?,
-                    },
-                },
-                _ => LayerRows::Dense {
-                    k: get(0)?,
-                    v: get(1)?,
-                },
-            });
+            let ts = file_tensors(l, f, width)
+                .iter()
+                .map(|(name, cols, dtype)| load(name, *cols, *dtype))
+                .collect::<Result<Vec<_>>>()?;
+            out.push(LayerRows::from_tensors(f, ts)?);
         }
         Ok(out)
     }
@@ -499,13 +353,9 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
     let width = num_kv_heads * head_dim;
     let mut expected = 0;
     for (l, f) in formats.iter().enumerate() {
-        if let KvFormat::Affine { key, value, .. } = f {
-            for fmt in [key, value] {
-                fmt.check_dim(head_dim)
-                    .map_err(|e| invalid(format!("layer {l}: {e}")))?;
-            }
-        }
-        for (name, cols, dtype) in layer_tensors(l, f, width) {
+        f.check_dim(head_dim)
+            .map_err(|e| invalid(format!("layer {l}: {e}")))?;
+        for (name, cols, dtype) in file_tensors(l, f, width) {
             let view = st
                 .tensor(&name)
                 .map_err(|_| invalid(format!("tensor {name} is missing")))?;
@@ -540,184 +390,4 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kv::cache::{CacheConfig, PagedKvCache};
-
-    fn identity() -> ModelIdentity {
-        ModelIdentity {
-            fingerprint: "abc123".into(),
-            weights: "dense".into(),
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 32,
-        }
-    }
-
-    /// A 2-layer cache in `fmt` holding `n` tokens of sequence 0.
-    fn cache_with(fmt: KvFormat, n: usize) -> PagedKvCache {
-        let mut cfg = CacheConfig::dense(2, 2, 32, 4, 16, DType::F32);
-        cfg.formats = vec![fmt; 2];
-        let mut c = PagedKvCache::new(cfg, &Device::Cpu).unwrap();
-        c.add_sequence(0).unwrap();
-        c.reserve(0, n).unwrap();
-        let x = Tensor::arange(0f32, (n * 64) as f32, &Device::Cpu)
-            .unwrap()
-            .affine(0.013, -1.0)
-            .unwrap()
-            .sin()
-            .unwrap()
-            .reshape((n, 64))
-            .unwrap();
-        for l in 0..2 {
-            c.write(l, 0, 0, &x, &x.cos().unwrap()).unwrap();
-        }
-        c.advance(0, n).unwrap();
-        c
-    }
-
-    fn meta(fmt: KvFormat, n: usize) -> PromptCacheMeta {
-        let id = identity();
-        PromptCacheMeta {
-            fingerprint: id.fingerprint,
-            model: "test".into(),
-            weights: id.weights,
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 32,
-            formats: vec![fmt; 2],
-            tokens: (100..100 + n as u32).collect(),
-        }
-    }
-
-    fn q4() -> KvFormat {
-        KvFormat::affine(QuantFormat::new(4, 32).unwrap(), DType::F32, false)
-    }
-
-    #[test]
-    fn save_open_load_round_trips_stored_rows() {
-        let dir = tempfile::tempdir().unwrap();
-        for fmt in [KvFormat::Dense(DType::F32), q4()] {
-            let c = cache_with(fmt, 9);
-            let rows = c.export_rows(0).unwrap();
-            let path = dir.path().join("p.safetensors");
-            save(&path, &meta(fmt, 9), &rows).unwrap();
-            let f = PromptCacheFile::open(&path).unwrap();
-            assert_eq!(f.meta(), &meta(fmt, 9));
-            f.check_model(&identity()).unwrap();
-            f.check_formats(&[fmt, fmt], "").unwrap();
-            // Importing 5 of the 9 rows gives exactly the first 5 stored rows.
-            let part = f.load_rows(5, &Device::Cpu).unwrap();
-            let mut d = PagedKvCache::new(c.config().clone(), &Device::Cpu).unwrap();
-            d.add_sequence(3).unwrap();
-            d.import_rows(3, &part, 2).unwrap();
-            let back = d.export_rows(3).unwrap();
-            for (a, b) in back.iter().zip(&rows) {
-                let b = b.narrow(0, 5).unwrap();
-                let (ta, tb) = match (a, &b) {
-                    (LayerRows::Dense { k, v }, LayerRows::Dense { k: k2, v: v2 }) => {
-                        (vec![k, v], vec![k2, v2])
-                    }
-                    (LayerRows::Affine { k, v, .. }, LayerRows::Affine { k: k2, v: v2, .. }) => (
-                        vec![&k.codes, &k.scales, &v.codes, &v.biases],
-                        vec![&k2.codes, &k2.scales, &v2.codes, &v2.biases],
-                    ),
-                    _ => panic!("format changed"),
-                };
-                for (x, y) in ta.iter().zip(tb) {
-                    let x: Vec<f64> = x
-                        .flatten_all()
-                        .unwrap()
-                        .to_dtype(DType::F64)
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
-                    let y: Vec<f64> = y
-                        .flatten_all()
-                        .unwrap()
-                        .to_dtype(DType::F64)
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
-                    assert_eq!(x, y);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn refuses_other_models_formats_and_damaged_files() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("p.safetensors");
-        save(
-            &path,
-            &meta(q4(), 6),
-            &cache_with(q4(), 6).export_rows(0).unwrap(),
-        )
-        .unwrap();
-        let f = PromptCacheFile::open(&path).unwrap();
-
-        let e = f
-            .check_model(&ModelIdentity {
-                fingerprint: "ffff".into(),
-                ..identity()
-            })
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("fingerprint abc123") && e.contains("ffff"),
-            "{e}"
-        );
-        let e = f
-            .check_model(&ModelIdentity {
-                head_dim: 64,
-                ..identity()
-            })
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("head_dim 32") && e.contains("2 x 2 x 64"), "{e}");
-        let e = f
-            .check_model(&ModelIdentity {
-                weights: "quantized".into(),
-                ..identity()
-            })
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("--dequantize"), "{e}");
-        let q8 = KvFormat::affine(QuantFormat::new(8, 32).unwrap(), DType::F32, false);
-        let e = f.check_formats(&[q8, q8], "").unwrap_err().to_string();
-        assert!(
-            e.contains("layer 0 is affine 4-bit/g32 with f32 scales")
-                && e.contains("keeps it as affine 8-bit/g32 with f32 scales"),
-            "{e}"
-        );
-
-        // Cut short, or not a prompt cache at all: refused on open with the file's name.
-        let bytes = std::fs::read(&path).unwrap();
-        let cut = dir.path().join("cut.safetensors");
-        std::fs::write(&cut, &bytes[..bytes.len() - 10]).unwrap();
-        let e = PromptCacheFile::open(&cut).unwrap_err().to_string();
-        assert!(
-            e.contains("cut.safetensors") && e.contains("not a kvq prompt cache"),
-            "{e}"
-        );
-        let other = dir.path().join("other.safetensors");
-        candle_core::safetensors::save(
-            &HashMap::from([("w", Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap())]),
-            &other,
-        )
-        .unwrap();
-        assert!(PromptCacheFile::open(&other).is_err());
-        assert!(PromptCacheFile::open(&dir.path().join("missing")).is_err());
-    }
-
-    #[test]
-    fn reuse_is_the_common_prefix_short_of_the_last_two_tokens() {
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3, 4, 5]), 3);
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3, 4]), 2);
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3]), 1);
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 9, 3, 4]), 1);
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[7, 2, 5]), 0);
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2]), 0);
-    }
-}
+mod tests;

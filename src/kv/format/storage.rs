@@ -7,57 +7,12 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::quant::{
+use super::ops::{
     dequantize, fused_rotation, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into,
-    slot_runs, QuantFormat, Quantized, SlotRows,
+    slot_runs, Quantized, SlotRows,
 };
 use super::rotation::Rotation;
-
-/// The element format of a layer's blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvFormat {
-    /// Plain values of this dtype.
-    Dense(DType),
-    /// Affine group quantization, K and V each in their own format (keys are the sensitive
-    /// half: softmax turns key error into weight error); scales and biases in `scale_dtype`.
-    /// `rotated`: head vectors are stored rotated by the cache's randomized Hadamard transform
-    /// (see `kv::rotation`).
-    Affine {
-        key: QuantFormat,
-        value: QuantFormat,
-        scale_dtype: DType,
-        rotated: bool,
-    },
-}
-
-impl KvFormat {
-    pub fn is_rotated(&self) -> bool {
-        matches!(self, KvFormat::Affine { rotated: true, .. })
-    }
-
-    /// Bytes of one token's K row plus its V row (`width` values each: all KV heads).
-    pub fn kv_row_bytes(&self, width: usize) -> usize {
-        match self {
-            KvFormat::Dense(dt) => 2 * width * dt.size_in_bytes(),
-            KvFormat::Affine {
-                key,
-                value,
-                scale_dtype,
-                ..
-            } => key.bytes_per_row(width, *scale_dtype) + value.bytes_per_row(width, *scale_dtype),
-        }
-    }
-
-    /// One format for K and V.
-    pub fn affine(fmt: QuantFormat, scale_dtype: DType, rotated: bool) -> Self {
-        KvFormat::Affine {
-            key: fmt,
-            value: fmt,
-            scale_dtype,
-            rotated,
-        }
-    }
-}
+use super::{KvFormat, QuantFormat};
 
 /// Storage of one layer: `[slots, width]` per K and V.
 #[derive(Debug, Clone)]
@@ -259,6 +214,51 @@ fn affine_format(kfmt: QuantFormat, vfmt: QuantFormat, rotated: bool, k: &Quanti
 }
 
 impl LayerRows {
+    /// The rows' tensors in file order (`tag::file_tensors`): K then V, each as one dense
+    /// tensor or as codes, scales, biases.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            LayerRows::Dense { k, v } => vec![k, v],
+            LayerRows::Affine { k, v, .. } => vec![
+                &k.codes, &k.scales, &k.biases, &v.codes, &v.scales, &v.biases,
+            ],
+        }
+    }
+
+    /// Rows of `format` from their tensors in [`LayerRows::tensors`]'s order.
+    pub fn from_tensors(format: &KvFormat, ts: Vec<Tensor>) -> Result<Self> {
+        Ok(match (format, ts.as_slice()) {
+            (KvFormat::Dense(_), [k, v]) => LayerRows::Dense {
+                k: k.clone(),
+                v: v.clone(),
+            },
+            (
+                KvFormat::Affine {
+                    key,
+                    value,
+                    rotated,
+                    ..
+                },
+                [kc, ks, kb, vc, vs, vb],
+            ) => LayerRows::Affine {
+                kfmt: *key,
+                vfmt: *value,
+                rotated: *rotated,
+                k: Quantized {
+                    codes: kc.clone(),
+                    scales: ks.clone(),
+                    biases: kb.clone(),
+                },
+                v: Quantized {
+                    codes: vc.clone(),
+                    scales: vs.clone(),
+                    biases: vb.clone(),
+                },
+            },
+            _ => candle_core::bail!("{} tensors do not make rows of {format:?}", ts.len()),
+        })
+    }
+
     /// The storage format these rows are in.
     pub fn format(&self) -> KvFormat {
         match self {

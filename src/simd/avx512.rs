@@ -2,13 +2,13 @@
 //! only after runtime detection ([`available`]). On cores with full-width 512-bit units it does
 //! twice the multiply-adds of AVX2 per instruction, and decode attention is bound by them.
 //!
-//! Code decoders (lane order: [`element`](super::simd::element)): 8-bit codes are sixteen
+//! Code decoders (lane order: [`element`](super::element)): 8-bit codes are sixteen
 //! bytes zero-extended; 4-bit codes are sixteen bytes zero-extended, then masked (low nibbles)
 //! or shifted (high nibbles); 2-bit codes are one word broadcast and shifted per lane; 3-, 5- and 6-bit codes are the `2B`
 //! bytes at byte `2Bv`, broadcast to every 128-bit lane, byte-shuffled so each lane holds the 4
 //! bytes around its code, shifted per lane and masked.
 
-use super::simd::Simd;
+use super::Simd;
 use std::arch::x86_64::*;
 
 /// Whether [`Avx512`] may be used on this CPU.
@@ -312,7 +312,7 @@ impl Simd for Avx512 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::simd::{element, Portable};
+    use super::super::{element, Portable};
     use super::*;
 
     /// Every code decoder agrees with the portable bit-stream reader on random words, for every

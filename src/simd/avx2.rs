@@ -1,13 +1,13 @@
 //! AVX2 + FMA + F16C implementation of the kernel's vector operations (eight lanes), entered
 //! only after runtime detection ([`available`]).
 //!
-//! Code decoders (lane order: [`element`](super::simd::element)): 8-bit codes are eight bytes
+//! Code decoders (lane order: [`element`](super::element)): 8-bit codes are eight bytes
 //! zero-extended; 4-bit codes are eight bytes zero-extended, then masked (low nibbles) or
 //! shifted (high nibbles); 2-bit codes are half a word likewise; 3-, 5- and
 //! 6-bit codes (which straddle words) are the `B` bytes at byte `v*B`, broadcast, byte-shuffled
 //! so each lane holds the 4 bytes around its code, shifted per lane and masked.
 
-use super::simd::Simd;
+use super::Simd;
 use std::arch::x86_64::*;
 
 /// Whether [`Avx2`] may be used on this CPU.
@@ -185,7 +185,7 @@ impl Simd for Avx2 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::simd::Portable;
+    use super::super::Portable;
     use super::*;
 
     /// Every code decoder agrees with the portable bit-stream reader on random words, for every

@@ -1,0 +1,30 @@
+// kvq: device helpers shared by every kernel file (quant.cu, decode.cu): element conversions
+// with explicit rounding (no contraction differences from MLX) and 16-byte vector loads.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// 8 consecutive values = 32 bytes (f32) or 16 bytes (f16/bf16), as f32; callers guarantee
+// 16-byte alignment.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* v) {
+    if (sizeof(T) == 4) {
+        float4 a = reinterpret_cast<const float4*>(p)[0];
+        float4 b = reinterpret_cast<const float4*>(p)[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+        uint4 a = *reinterpret_cast<const uint4*>(p);
+        const T* h = reinterpret_cast<const T*>(&a);
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = to_f(h[k]);
+    }
+}

@@ -1,0 +1,447 @@
+//! The fused CPU decode kernel.
+//!
+//! Work is split into tasks of (sequence, position chunk), run with rayon; each task returns,
+//! for every KV head, the softmax max, sum and weighted V of its positions for the `G` query
+//! heads of that KV head ([`kernel`] says how a task reads K and V: all heads of a slot row
+//! together, since they sit side by side), and the partial states of one (sequence, KV head)
+//! are merged at the end, in chunk order. The chunk length adapts to each sequence's own
+//! length (never to the batch: [`chunk_len`]): long enough to amortise a task, short enough
+//! that a single long sequence still gives several threads work.
+//!
+//! Scratch buffers live per thread and are reused across calls; the only per-call allocations
+//! are the query copy, the partial states and the output.
+//!
+//! The kernel is written once over vector operations ([`simd::Simd`]); the implementation is
+//! chosen at run time: [`avx512::Avx512`] (16 lanes) where the CPU has AVX-512 F/BW and the head
+//! dimension is a multiple of 16, else [`avx2::Avx2`] (8 lanes; AVX2 + FMA + F16C), else
+//! [`simd::Portable`]. A head dimension that is not a multiple of 8 goes to the generic path.
+
+mod kernel;
+mod rows;
+
+use super::{generic, Dims, Tables};
+use crate::kv::format::LayerKv;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{avx2, avx512};
+use crate::simd::{Isa, Portable};
+use candle_core::{DType, Device, Layout, Result, Storage, Tensor, WithDType};
+use half::{bf16, f16};
+use kernel::{Scratch, Shape};
+use rayon::prelude::*;
+use rows::{AffineRows, DenseRows, Rows};
+use std::cell::RefCell;
+
+/// Bounds of a task's length in positions.
+const MIN_CHUNK: usize = 64;
+const MAX_CHUNK: usize = 1024;
+/// Chunks a sequence is split into, within those bounds.
+const SPLITS: usize = 16;
+
+/// Positions per task of a sequence with `span` visible positions. A function of the span
+/// alone (not of the batch or the thread count): the chunking fixes the order in which a
+/// sequence's partial softmax states are merged, so a query's result is the same whatever else
+/// shares the call — batch invariance, and a prefill token attended as a decode query gives
+/// what the same position gives when decoded.
+fn chunk_len(span: usize) -> usize {
+    span.div_ceil(SPLITS).clamp(MIN_CHUNK, MAX_CHUNK)
+}
+
+/// Row views of every vector implementation (the one used is chosen at run time).
+#[cfg(target_arch = "x86_64")]
+trait AnyRows: Rows<Portable> + Rows<avx2::Avx2> + Rows<avx512::Avx512> {}
+#[cfg(target_arch = "x86_64")]
+impl<R: Rows<Portable> + Rows<avx2::Avx2> + Rows<avx512::Avx512>> AnyRows for R {}
+#[cfg(not(target_arch = "x86_64"))]
+trait AnyRows: Rows<Portable> {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<R: Rows<Portable>> AnyRows for R {}
+
+#[derive(Clone, Copy)]
+struct Task {
+    b: usize,
+    p0: usize,
+    p1: usize,
+}
+
+/// Tasks in (sequence, chunk) order, and where each sequence's tasks begin.
+struct Plan {
+    tasks: Vec<Task>,
+    /// Per sequence: index of its first task and its number of chunks.
+    seqs: Vec<(usize, usize)>,
+}
+
+fn plan(d: &Dims, t: &Tables) -> Plan {
+    let mut tasks = Vec::new();
+    let mut seqs = Vec::with_capacity(d.batch);
+    for b in 0..d.batch {
+        let (s, l) = (t.starts[b] as usize, t.lens[b] as usize);
+        let chunk = chunk_len(l - s);
+        let nc = (l - s).div_ceil(chunk);
+        seqs.push((tasks.len(), nc));
+        for c in 0..nc {
+            let p0 = s + c * chunk;
+            tasks.push(Task {
+                b,
+                p0,
+                p1: (p0 + chunk).min(l),
+            });
+        }
+    }
+    Plan { tasks, seqs }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<(Scratch, Vec<u32>)> = RefCell::default();
+}
+
+/// Runs every task of `plan` and merges the partial states into `[B, H, D]`.
+/// `views(kh)` gives the K and V rows of KV head `kh`.
+fn run<R: AnyRows>(
+    plan: &Plan,
+    q: &[f32],
+    d: &Dims,
+    t: &Tables,
+    group: usize,
+    isa: Isa,
+    views: impl Fn(usize) -> (R, R),
+) -> Vec<f32> {
+    let (g, hd) = (d.group, d.head_dim);
+    let sh = Shape {
+        g,
+        head_dim: hd,
+        group,
+        groups: hd / group,
+    };
+    let heads: Vec<(R, R)> = (0..d.kv_heads).map(views).collect();
+    // Per task and KV head: [max (G) | sum (G) | weighted V (G × head_dim)].
+    let stride = 2 * g + g * hd;
+    let mut parts = vec![0f32; plan.tasks.len() * d.kv_heads * stride];
+    parts
+        .par_chunks_mut(d.kv_heads * stride)
+        .zip(plan.tasks.par_iter())
+        .for_each(|(out, task)| {
+            SCRATCH.with_borrow_mut(|(scratch, slots)| {
+                fill_slots(slots, d, t, task);
+                let qb = &q[task.b * d.heads * hd..][..d.heads * hd];
+                // SAFETY: `read_tables` checked every slot against the pool and `decode` that
+                // the views span it; head_dim and group are multiples of the lanes (checked by
+                // `Isa::best` and the format); an ISA only after its detection.
+                unsafe {
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => task_avx512(&heads, qb, slots, sh, scratch, out),
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => task_avx2(&heads, qb, slots, sh, scratch, out),
+                        Isa::Portable => {
+                            kernel::task::<Portable, R>(&heads, qb, slots, sh, scratch, out)
+                        }
+                    }
+                }
+            })
+        });
+    let mut out = vec![0f32; d.batch * d.heads * hd];
+    out.par_chunks_mut(g * hd).enumerate().for_each(|(i, o)| {
+        merge(
+            plan,
+            &parts,
+            d.kv_heads,
+            stride,
+            g,
+            hd,
+            i / d.kv_heads,
+            i % d.kv_heads,
+            o,
+        )
+    });
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn task_avx512<R: Rows<avx512::Avx512>>(
+    heads: &[(R, R)],
+    q: &[f32],
+    slots: &[u32],
+    sh: Shape,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) {
+    kernel::task::<avx512::Avx512, R>(heads, q, slots, sh, scratch, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2<R: Rows<avx2::Avx2>>(
+    heads: &[(R, R)],
+    q: &[f32],
+    slots: &[u32],
+    sh: Shape,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) {
+    kernel::task::<avx2::Avx2, R>(heads, q, slots, sh, scratch, out)
+}
+
+/// Pool slots of the task's positions, walking its block table.
+fn fill_slots(slots: &mut Vec<u32>, d: &Dims, t: &Tables, task: &Task) {
+    slots.clear();
+    let bs = d.block_size;
+    let table = &t.tables[task.b * d.max_blocks..][..d.max_blocks];
+    let mut p = task.p0;
+    while p < task.p1 {
+        let end = ((p / bs + 1) * bs).min(task.p1);
+        let base = table[p / bs] * bs as u32;
+        slots.extend((p % bs..p % bs + end - p).map(|i| base + i as u32));
+        p = end;
+    }
+}
+
+/// Merges the chunks of (sequence `b`, KV head `kh`) into `o` (`[G, D]`).
+#[allow(clippy::too_many_arguments)]
+fn merge(
+    plan: &Plan,
+    parts: &[f32],
+    kv_heads: usize,
+    stride: usize,
+    g: usize,
+    hd: usize,
+    b: usize,
+    kh: usize,
+    o: &mut [f32],
+) {
+    let (first, nc) = plan.seqs[b];
+    let part = |c: usize| &parts[((first + c) * kv_heads + kh) * stride..][..stride];
+    for j in 0..g {
+        let m = (0..nc)
+            .map(|c| part(c)[j])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let oj = &mut o[j * hd..(j + 1) * hd];
+        let mut z = 0f32;
+        for c in 0..nc {
+            let p = part(c);
+            let w = (p[j] - m).exp();
+            z += w * p[g + j];
+            for (x, a) in oj.iter_mut().zip(&p[2 * g + j * hd..][..hd]) {
+                *x += w * a;
+            }
+        }
+        oj.iter_mut().for_each(|x| *x /= z);
+    }
+}
+
+fn slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
+    let Storage::Cpu(s) = s else {
+        return Err(candle_core::Error::Msg(
+            "decode_attention: expected CPU storage".into(),
+        ));
+    };
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("decode_attention: non-contiguous pool".into()))?;
+    Ok(&T::cpu_storage_as_slice(s)?[a..b])
+}
+
+fn pool_err(what: &str, len: usize, need: usize) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "decode_attention: {what} holds {len} elements, the pool needs {need}"
+    ))
+}
+
+pub(super) fn decode(
+    q: &Tensor,
+    kv: &LayerKv,
+    dims: &Dims,
+    t: &Tables,
+    scale: f32,
+) -> Result<Tensor> {
+    if !dims.head_dim.is_multiple_of(8) {
+        return generic::decode_checked(q, kv, dims, t, scale);
+    }
+    decode_with(q, kv, dims, t, scale, Isa::best(dims.head_dim))
+}
+
+/// [`decode`] on a given vector implementation (`head_dim` a multiple of its lanes).
+fn decode_with(
+    q: &Tensor,
+    kv: &LayerKv,
+    dims: &Dims,
+    t: &Tables,
+    scale: f32,
+    isa: Isa,
+) -> Result<Tensor> {
+    let d = dims;
+    let qv: Vec<f32> = q
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|x| x * scale)
+        .collect();
+    // 4-bit rows decode byte-interleaved (`simd::element`): the query is permuted to that
+    // order once here, and the output back at the end, so the kernel never permutes.
+    let interleaved = matches!(kv, LayerKv::Affine { kfmt, .. } if kfmt.bits() == 4);
+    let at = |e: usize| crate::simd::element(4, isa.lanes(), e / isa.lanes(), e % isa.lanes());
+    let qv = if interleaved {
+        permute_rows(&qv, d.head_dim, |qd, qs| {
+            for (i, x) in qd.iter_mut().enumerate() {
+                *x = qs[at(i)];
+            }
+        })
+    } else {
+        qv
+    };
+    let plan = plan(d, t);
+    let out = match kv {
+        LayerKv::Dense { k, v } => dense_out(k, v, &plan, &qv, d, t, isa)?,
+        LayerKv::Affine {
+            kfmt: fmt, k, v, ..
+        } => affine_out(*fmt, k, v, &plan, &qv, d, t, isa)?,
+    };
+    let out = if interleaved {
+        permute_rows(&out, d.head_dim, |od, os| {
+            for (i, x) in os.iter().enumerate() {
+                od[at(i)] = *x;
+            }
+        })
+    } else {
+        out
+    };
+    Tensor::from_vec(out, (d.batch, d.heads, d.head_dim), &Device::Cpu)?.to_dtype(q.dtype())
+}
+
+/// A new vector of `x`'s length whose rows of `n` are filled by `f(new_row, old_row)`.
+fn permute_rows(x: &[f32], n: usize, f: impl Fn(&mut [f32], &[f32])) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for (o, i) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+        f(o, i);
+    }
+    out
+}
+
+/// The kernel over a dense pool.
+fn dense_out(
+    k: &Tensor,
+    v: &Tensor,
+    plan: &Plan,
+    qv: &[f32],
+    d: &Dims,
+    t: &Tables,
+    isa: Isa,
+) -> Result<Vec<f32>> {
+    let slots = d.num_blocks * d.block_size;
+    let width = d.kv_heads * d.head_dim;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    macro_rules! dense {
+        ($t:ty) => {{
+            let (kd, vd) = (slice::<$t>(&ks, kl)?, slice::<$t>(&vs, vl)?);
+            for x in [kd, vd] {
+                if x.len() < slots * width {
+                    return Err(pool_err("dense K/V", x.len(), slots * width));
+                }
+            }
+            run(plan, qv, d, t, d.head_dim, isa, |kh| {
+                let view = |data| DenseRows::<$t> {
+                    data,
+                    stride: width,
+                    head: kh * d.head_dim,
+                };
+                (view(kd), view(vd))
+            })
+        }};
+    }
+    Ok(match k.dtype() {
+        DType::F32 => dense!(f32),
+        DType::F16 => dense!(f16),
+        DType::BF16 => dense!(bf16),
+        dt => {
+            return Err(candle_core::Error::Msg(format!(
+                "decode_attention: unsupported cache dtype {dt:?}"
+            )))
+        }
+    })
+}
+
+/// The kernel over an affine pool (one format for K and V).
+#[allow(clippy::too_many_arguments)]
+fn affine_out(
+    fmt: crate::kv::format::QuantFormat,
+    k: &crate::kv::format::Quantized,
+    v: &crate::kv::format::Quantized,
+    plan: &Plan,
+    qv: &[f32],
+    d: &Dims,
+    t: &Tables,
+    isa: Isa,
+) -> Result<Vec<f32>> {
+    let slots = d.num_blocks * d.block_size;
+    let width = d.kv_heads * d.head_dim;
+    let ts = [
+        &k.codes, &k.scales, &k.biases, &v.codes, &v.scales, &v.biases,
+    ]
+    .map(|t| t.contiguous());
+    let [kc, ks, kb, vc, vs, vb] = ts;
+    let (kc, ks, kb, vc, vs, vb) = (kc?, ks?, kb?, vc?, vs?, vb?);
+    let sl = [&kc, &ks, &kb, &vc, &vs, &vb].map(|t| t.storage_and_layout());
+    let group = fmt.group_size();
+    let (row_words, row_groups) = (fmt.words_per_row(width), fmt.groups_per_row(width));
+    let (head_words, ng) = (fmt.words_per_row(d.head_dim), d.head_dim / group);
+    macro_rules! affine {
+        ($t:ty, $b:literal) => {{
+            let kc = slice::<u32>(&sl[0].0, sl[0].1)?;
+            let vc = slice::<u32>(&sl[3].0, sl[3].1)?;
+            let params = [1, 2, 4, 5].map(|i| slice::<$t>(&sl[i].0, sl[i].1));
+            let [ks, kb, vs, vb] = params;
+            let (ks, kb, vs, vb) = (ks?, kb?, vs?, vb?);
+            for x in [kc, vc] {
+                if x.len() < slots * row_words {
+                    return Err(pool_err("codes", x.len(), slots * row_words));
+                }
+            }
+            for x in [ks, kb, vs, vb] {
+                if x.len() < slots * row_groups {
+                    return Err(pool_err("scales/biases", x.len(), slots * row_groups));
+                }
+            }
+            run(plan, qv, d, t, group, isa, |kh| {
+                let view = |codes, scales, biases| AffineRows::<$t, $b> {
+                    codes,
+                    scales,
+                    biases,
+                    row_words,
+                    head_word: kh * head_words,
+                    head_words,
+                    row_groups,
+                    head_group: kh * ng,
+                };
+                (view(kc, ks, kb), view(vc, vs, vb))
+            })
+        }};
+    }
+    macro_rules! bits {
+        ($t:ty) => {
+            match fmt.bits() {
+                2 => affine!($t, 2),
+                3 => affine!($t, 3),
+                4 => affine!($t, 4),
+                5 => affine!($t, 5),
+                6 => affine!($t, 6),
+                _ => affine!($t, 8),
+            }
+        };
+    }
+    Ok(match ks.dtype() {
+        DType::F32 => bits!(f32),
+        DType::F16 => bits!(f16),
+        DType::BF16 => bits!(bf16),
+        dt => {
+            return Err(candle_core::Error::Msg(format!(
+                "decode_attention: unsupported scale dtype {dt:?}"
+            )))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests;

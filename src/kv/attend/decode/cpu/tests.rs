@@ -1,0 +1,194 @@
+//! The fused CPU decode kernel against the generic reference, on every ISA this CPU has.
+
+use super::super::{check_shapes, read_tables};
+use super::*;
+use crate::kv::format::{KvFormat, QuantFormat};
+
+/// Deterministic values in [-2, 2).
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 8) as f32 / (1u32 << 22) as f32 - 2.0
+        })
+        .collect()
+}
+
+/// K/V values of a pool of `per_seq` blocks per sequence, and the tables, starts and lens
+/// of `seqs` (start, len) over it; block ids reversed so tables are not the identity.
+struct Fixture {
+    bs: usize,
+    kvh: usize,
+    k: Tensor,
+    v: Tensor,
+    table: Vec<u32>,
+    per_seq: usize,
+    seqs: Vec<(usize, usize)>,
+}
+
+impl Fixture {
+    fn new(seqs: &[(usize, usize)], per_seq: usize, kvh: usize, hd: usize, seed: u32) -> Self {
+        let bs = 16;
+        let num_blocks = seqs.len() * per_seq;
+        let (slots, width) = (num_blocks * bs, kvh * hd);
+        let dev = Device::Cpu;
+        let k = Tensor::from_vec(values(slots * width, seed), (slots, width), &dev).unwrap();
+        let v = Tensor::from_vec(values(slots * width, seed + 1), (slots, width), &dev);
+        Fixture {
+            bs,
+            kvh,
+            k,
+            v: v.unwrap(),
+            table: (0..num_blocks as u32).rev().collect(),
+            per_seq,
+            seqs: seqs.to_vec(),
+        }
+    }
+
+    /// The fixture's K/V stored in `format`.
+    fn pool(&self, format: KvFormat) -> LayerKv {
+        let (slots, width) = self.k.dims2().unwrap();
+        let kv = LayerKv::zeros(format, slots, width, &Device::Cpu).unwrap();
+        kv.write_run(0, &self.k, &self.v).unwrap();
+        kv
+    }
+
+    /// Shapes and host tables of a call for sequences `which` with queries `q`.
+    fn call(&self, q: &Tensor, kv: &LayerKv, which: &[usize]) -> (Dims, Tables<'static>) {
+        let (b, dev) = (which.len(), Device::Cpu);
+        let u32s = |v: Vec<u32>| Tensor::from_vec(v, b, &dev).unwrap();
+        let tables: Vec<u32> = which
+            .iter()
+            .flat_map(|&i| self.table[i * self.per_seq..(i + 1) * self.per_seq].to_vec())
+            .collect();
+        let tables = Tensor::from_vec(tables, (b, self.per_seq), &dev).unwrap();
+        let starts = u32s(which.iter().map(|&i| self.seqs[i].0 as u32).collect());
+        let lens = u32s(which.iter().map(|&i| self.seqs[i].1 as u32).collect());
+        let dims = check_shapes(q, kv, &tables, &starts, &lens, self.bs, self.kvh).unwrap();
+        let t = read_tables(&dims, &tables, &starts, &lens, None).unwrap();
+        (dims, t)
+    }
+
+    /// The generic reference and every vector implementation's output for all sequences.
+    fn outputs(&self, q: &Tensor, kv: &LayerKv, scale: f32) -> (Vec<f32>, Vec<(Isa, Vec<f32>)>) {
+        let all: Vec<usize> = (0..self.seqs.len()).collect();
+        let (dims, t) = self.call(q, kv, &all);
+        let flat = |x: Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1().unwrap() };
+        let want = flat(generic::decode_checked(q, kv, &dims, &t, scale).unwrap());
+        let got = Isa::all_available()
+            .into_iter()
+            .map(|isa| {
+                (
+                    isa,
+                    flat(decode_with(q, kv, &dims, &t, scale, isa).unwrap()),
+                )
+            })
+            .collect();
+        (want, got)
+    }
+}
+
+/// Every vector implementation this CPU has matches the generic reference, at head_dim 64
+/// with GQA 3 (the default model's shape), for dense and odd/even bit widths.
+#[test]
+fn every_vector_code_matches_reference() {
+    let (kvh, g, hd) = (2usize, 3usize, 64usize);
+    let f = Fixture::new(&[(0, 37), (20, 150), (0, 1)], 10, kvh, hd, 1);
+    let q = values(3 * kvh * g * hd, 3);
+    let q = Tensor::from_vec(q, (3, kvh * g, hd), &Device::Cpu).unwrap();
+    // f32 scales: with f16 ones the reference rounds dequantized values to f16.
+    let affine =
+        |bits, group| KvFormat::affine(QuantFormat::new(bits, group).unwrap(), DType::F32, false);
+    for format in [
+        KvFormat::Dense(DType::F16),
+        KvFormat::Dense(DType::F32),
+        affine(4, 64),
+        affine(4, 32),
+        affine(3, 32),
+        affine(2, 32),
+        affine(8, 32),
+    ] {
+        let (want, got) = f.outputs(&q, &f.pool(format), 0.125);
+        for (isa, got) in got {
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1e-2))
+                .fold(0f32, f32::max);
+            assert!(err < 1e-4, "{format:?} {isa:?}: rel err {err}");
+        }
+    }
+}
+
+/// Every vector implementation matches the generic reference at head_dim 128 for every bit
+/// width × group size × GQA ratio {1, 3, 8} (query-head chunks of 1, 3 and 4+4; 4-bit
+/// tables; column blocks spanning one group, two groups, or half a group), with ragged
+/// lengths, an odd final row pair and V tiles cut short.
+#[test]
+fn every_isa_matches_reference_all_formats() {
+    let (kvh, hd) = (2usize, 128usize);
+    let f = Fixture::new(&[(0, 45), (3, 77), (0, 1)], 5, kvh, hd, 7);
+    for g in [1usize, 3, 8] {
+        let q = values(3 * kvh * g * hd, 9 + g as u32);
+        let q = Tensor::from_vec(q, (3, kvh * g, hd), &Device::Cpu).unwrap();
+        for bits in [2u32, 3, 4, 5, 6, 8] {
+            for group in [32usize, 64, 128] {
+                let fmt = QuantFormat::new(bits, group).unwrap();
+                let kv = f.pool(KvFormat::affine(fmt, DType::F32, false));
+                let (want, got) = f.outputs(&q, &kv, 0.1);
+                // The contract's measure: max |error| / max |reference|.
+                let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                for (isa, got) in got {
+                    let err = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max)
+                        / scale;
+                    assert!(err < 1e-4, "{bits}-bit g{group} GQA {g} {isa:?}: {err}");
+                }
+            }
+        }
+    }
+}
+
+/// A sequence decoded among others of other lengths (one of them long enough to be split
+/// into many chunks) gives the same bits as decoded alone, on every vector implementation.
+#[test]
+fn a_sequence_does_not_depend_on_the_batch() {
+    let (kvh, g, hd) = (3usize, 3usize, 64usize);
+    let seqs = [(0usize, 37usize), (0, 700), (20, 150), (0, 1), (300, 1500)];
+    let nb = seqs.len();
+    let f = Fixture::new(&seqs, 1500usize.div_ceil(16), kvh, hd, 1);
+    let q = values(nb * kvh * g * hd, 3);
+    let q = Tensor::from_vec(q, (nb, kvh * g, hd), &Device::Cpu).unwrap();
+    let call = |kv: &LayerKv, isa: Isa, which: &[usize]| -> Vec<u32> {
+        let ids: Vec<u32> = which.iter().map(|&i| i as u32).collect();
+        let ids = Tensor::from_vec(ids, which.len(), &Device::Cpu).unwrap();
+        let qb = q.index_select(&ids, 0).unwrap();
+        let (dims, t) = f.call(&qb, kv, which);
+        let out = decode_with(&qb, kv, &dims, &t, 0.125, isa).unwrap();
+        let out: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+        out.iter().map(|x| x.to_bits()).collect()
+    };
+    let affine = |bits| KvFormat::affine(QuantFormat::new(bits, 64).unwrap(), DType::F32, false);
+    for format in [KvFormat::Dense(DType::F32), affine(4), affine(8)] {
+        let kv = f.pool(format);
+        for isa in Isa::all_available() {
+            let all: Vec<usize> = (0..nb).collect();
+            let together = call(&kv, isa, &all);
+            let row = kvh * g * hd;
+            for i in 0..nb {
+                let alone = call(&kv, isa, &[i]);
+                assert_eq!(
+                    alone,
+                    together[i * row..(i + 1) * row],
+                    "{format:?} {isa:?}: sequence {i}"
+                );
+            }
+        }
+    }
+}

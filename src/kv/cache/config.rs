@@ -1,0 +1,384 @@
+//! What a cache looks like — its shape, per-layer formats, staging, window and pool sizes —
+//! built from plain [`KvOptions`] and the model's [`ModelShape`] by one function
+//! ([`KvOptions::cache_config`]) that every subcommand uses, and sized by one rule per use
+//! ([`PoolSizing`]).
+
+use candle_core::DType;
+
+use crate::kv::format::rotation::Rotation;
+use crate::kv::format::{KvFormat, QuantFormat};
+
+/// Why a set of KV options cannot make a cache (messages name the flags users type).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct OptionsError(pub String);
+
+type OptResult<T> = std::result::Result<T, OptionsError>;
+
+fn fail<T>(msg: impl Into<String>) -> OptResult<T> {
+    Err(OptionsError(msg.into()))
+}
+
+/// How quantized K/V are formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantScheme {
+    /// Plain MLX-compatible affine groups.
+    Affine,
+    /// A seeded randomized Hadamard rotation per head before affine quantization.
+    Rotated,
+}
+
+impl QuantScheme {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantScheme::Affine => "affine",
+            QuantScheme::Rotated => "rotated",
+        }
+    }
+}
+
+/// The KV cache options of every subcommand, as plain data (the CLI's `--kv-*` flags).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvOptions {
+    /// Bits of K and V (`None` with no per-side width: a dense cache).
+    pub bits: Option<u32>,
+    pub key_bits: Option<u32>,
+    pub value_bits: Option<u32>,
+    pub group_size: Option<usize>,
+    pub quantized_kv_start: usize,
+    /// `last`, `first` or comma-separated indices (negative from the end).
+    pub dense_layers: Option<String>,
+    pub max_kv_size: Option<usize>,
+    pub block_size: usize,
+    pub scheme: Option<QuantScheme>,
+}
+
+impl Default for KvOptions {
+    fn default() -> Self {
+        Self {
+            bits: None,
+            key_bits: None,
+            value_bits: None,
+            group_size: None,
+            quantized_kv_start: 0,
+            dense_layers: None,
+            max_kv_size: None,
+            block_size: 16,
+            scheme: None,
+        }
+    }
+}
+
+/// The model dimensions a cache is shaped by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelShape {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// How many blocks the pools get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolSizing {
+    /// Room for `max_batch` sequences of up to `tokens` tokens each, fed in prompt chunks of
+    /// `chunk` tokens (a sliding window caps what each can hold).
+    Sequences {
+        tokens: usize,
+        max_batch: usize,
+        chunk: usize,
+    },
+    /// Exactly this many main-pool blocks (a memory budget), staging for `max_batch`.
+    Blocks { blocks: usize, max_batch: usize },
+    /// One sequence at a time of up to `tokens` tokens in chunks of `chunk` (perplexity
+    /// windows): the most it can hold at once, plus one block.
+    Window { tokens: usize, chunk: usize },
+}
+
+impl KvOptions {
+    /// Checks the options on their own (model-independent).
+    pub fn validate(&self) -> OptResult<()> {
+        if self.block_size == 0 || self.block_size > 4096 {
+            return fail(format!(
+                "--kv-block-size must be between 1 and 4096 (got {})",
+                self.block_size
+            ));
+        }
+        if !self.is_quantized() {
+            for (set, flag) in [
+                (self.group_size.is_some(), "--kv-group-size"),
+                (self.quantized_kv_start > 0, "--quantized-kv-start"),
+                (self.dense_layers.is_some(), "--kv-dense-layers"),
+                (self.scheme.is_some(), "--kv-quant-scheme"),
+            ] {
+                if set {
+                    return fail(format!(
+                        "{flag} only applies to a quantized cache: add --kv-bits"
+                    ));
+                }
+            }
+        }
+        self.quant_formats()?;
+        if self.max_kv_size == Some(0) {
+            return fail("--max-kv-size must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The scheme for a model with this head_dim: the chosen one, else rotated where the
+    /// Hadamard transform applies.
+    pub fn scheme_for(&self, head_dim: usize) -> QuantScheme {
+        self.scheme.unwrap_or(if head_dim.is_power_of_two() {
+            QuantScheme::Rotated
+        } else {
+            QuantScheme::Affine
+        })
+    }
+
+    /// Whether any of the widths asks for a quantized cache.
+    pub fn is_quantized(&self) -> bool {
+        self.bits.is_some() || self.key_bits.is_some() || self.value_bits.is_some()
+    }
+
+    /// The key and value formats, or `None` for a dense cache.
+    pub fn quant_formats(&self) -> OptResult<Option<(QuantFormat, QuantFormat)>> {
+        if !self.is_quantized() {
+            return Ok(None);
+        }
+        let g = self.group_size.unwrap_or(64);
+        let side = |own: Option<u32>, flag: &str| -> OptResult<QuantFormat> {
+            let (bits, from) = match (own, self.bits) {
+                (Some(b), _) => (b, flag),
+                (None, Some(b)) => (b, "--kv-bits"),
+                (None, None) => {
+                    return fail(format!(
+                        "{flag} is missing: give --kv-bits for both halves, or both \
+                         --kv-key-bits and --kv-value-bits"
+                    ))
+                }
+            };
+            QuantFormat::new(bits, g)
+                .map_err(|e| OptionsError(format!("{from} {bits} --kv-group-size {g}: {e}")))
+        };
+        Ok(Some((
+            side(self.key_bits, "--kv-key-bits")?,
+            side(self.value_bits, "--kv-value-bits")?,
+        )))
+    }
+
+    /// The layers `dense_layers` names, resolved against `n` layers.
+    fn dense_layer_list(&self, n: usize) -> OptResult<Vec<usize>> {
+        let Some(spec) = &self.dense_layers else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for part in spec.split(',').map(str::trim) {
+            let idx: i64 = match part {
+                "last" => -1,
+                "first" => 0,
+                p => p.parse().map_err(|_| {
+                    OptionsError(format!(
+                        "--kv-dense-layers: '{p}' is not a layer index (use last, first or integers)"
+                    ))
+                })?,
+            };
+            let l = if idx < 0 { n as i64 + idx } else { idx };
+            if l < 0 || l >= n as i64 {
+                return fail(format!(
+                    "--kv-dense-layers: layer {idx} is out of range for a {n}-layer model"
+                ));
+            }
+            out.push(l as usize);
+        }
+        Ok(out)
+    }
+
+    /// The cache these options ask for, for a model of `shape` computing in `dtype`, with its
+    /// pools sized by `sizing`. Allocates nothing.
+    pub fn cache_config(
+        &self,
+        shape: ModelShape,
+        dtype: DType,
+        sizing: PoolSizing,
+    ) -> OptResult<CacheConfig> {
+        self.validate()?;
+        let ModelShape {
+            num_layers,
+            num_kv_heads,
+            head_dim,
+        } = shape;
+        let mut cfg = CacheConfig::dense(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            self.block_size,
+            0,
+            dtype,
+        );
+        if let Some((key, value)) = self.quant_formats()? {
+            key.check_dim(head_dim).map_err(|e| {
+                OptionsError(format!(
+                    "--kv-group-size {} does not fit this model's head_dim {head_dim} ({e}); \
+                     allowed group sizes divide {head_dim}",
+                    key.group_size(),
+                ))
+            })?;
+            let rotated = self.scheme_for(head_dim) == QuantScheme::Rotated;
+            if rotated {
+                Rotation::check(head_dim).map_err(|e| {
+                    OptionsError(format!("--kv-quant-scheme rotated: {e}; use affine"))
+                })?;
+            }
+            let dense = self.dense_layer_list(num_layers)?;
+            for (l, f) in cfg.formats.iter_mut().enumerate() {
+                if !dense.contains(&l) {
+                    *f = KvFormat::Affine {
+                        key,
+                        value,
+                        scale_dtype: dtype,
+                        rotated,
+                    };
+                }
+            }
+            if self.quantized_kv_start > 0 {
+                cfg.staging = Some(Staging {
+                    tokens: self.quantized_kv_start,
+                    dtype,
+                    num_blocks: 0,
+                });
+            }
+        }
+        cfg.window = self.max_kv_size;
+        cfg.size_pools(sizing);
+        Ok(cfg)
+    }
+}
+
+/// Dense staging for `--quantized-kv-start`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Staging {
+    /// A sequence moves to the main pool before it reaches this many tokens.
+    pub tokens: usize,
+    pub dtype: DType,
+    pub num_blocks: usize,
+}
+
+/// Shape, formats and budget of a cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheConfig {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the main pool (the memory budget).
+    pub num_blocks: usize,
+    /// Main-pool format of each layer.
+    pub formats: Vec<KvFormat>,
+    pub staging: Option<Staging>,
+    /// Sliding window: a query sees at most this many most recent positions (itself included).
+    pub window: Option<usize>,
+}
+
+impl CacheConfig {
+    /// A cache with every layer in one dense dtype.
+    pub fn dense(
+        num_layers: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: DType,
+    ) -> Self {
+        Self {
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks,
+            formats: vec![KvFormat::Dense(dtype); num_layers],
+            staging: None,
+            window: None,
+        }
+    }
+
+    /// Values in one K (or V) row: all KV heads of one token.
+    pub fn width(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes one token occupies in the main pool over all layers, K and V.
+    pub fn bytes_per_token(&self) -> usize {
+        let w = self.width();
+        self.formats.iter().map(|f| f.kv_row_bytes(w)).sum()
+    }
+
+    /// Bytes one token occupies in the staging pool.
+    pub fn staging_bytes_per_token(&self) -> usize {
+        self.staging.as_ref().map_or(0, |s| {
+            self.num_layers * 2 * self.width() * s.dtype.size_in_bytes()
+        })
+    }
+
+    /// Bytes of one main-pool block over all layers, K and V.
+    pub fn bytes_per_block(&self) -> usize {
+        self.block_size * self.bytes_per_token()
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// The format of each layer in which a new sequence keeps its first `n` tokens: dense
+    /// staging below the `--quantized-kv-start` threshold, else the main pool's formats.
+    pub fn formats_for_prefix(&self, n: usize) -> Vec<KvFormat> {
+        match &self.staging {
+            Some(st) if self.prefix_in_staging(n) => {
+                vec![KvFormat::Dense(st.dtype); self.num_layers]
+            }
+            _ => self.formats.clone(),
+        }
+    }
+
+    /// Whether a new sequence of `n` tokens still lives in the dense staging pool.
+    pub fn prefix_in_staging(&self, n: usize) -> bool {
+        matches!(&self.staging, Some(st) if st.tokens > 0 && n < st.tokens)
+    }
+
+    /// Most main-pool blocks a sequence holding up to `tokens` tokens, fed in chunks of at most
+    /// `chunk` tokens, can own at once (the sliding window bounds it).
+    pub fn max_blocks_for(&self, tokens: usize, chunk: usize) -> usize {
+        let all = self.blocks_for(tokens);
+        match self.window {
+            Some(w) => all.min(self.blocks_for(w + chunk) + 1),
+            None => all,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// Sets the main and staging pools' block counts by `sizing` (the one place pools are sized).
+    pub fn size_pools(&mut self, sizing: PoolSizing) {
+        let (main, max_batch) = match sizing {
+            PoolSizing::Sequences {
+                tokens,
+                max_batch,
+                chunk,
+            } => {
+                let mut blocks = tokens.div_ceil(self.block_size) + max_batch;
+                if self.window.is_some() {
+                    // A window caps what each sequence can hold.
+                    blocks = blocks.min(max_batch * self.max_blocks_for(usize::MAX / 2, chunk));
+                }
+                (blocks, max_batch)
+            }
+            PoolSizing::Blocks { blocks, max_batch } => (blocks, max_batch),
+            PoolSizing::Window { tokens, chunk } => (self.max_blocks_for(tokens, chunk) + 1, 1),
+        };
+        self.num_blocks = main;
+        let bs = self.block_size;
+        if let Some(st) = self.staging.as_mut() {
+            st.num_blocks = max_batch * (st.tokens.div_ceil(bs) + 1);
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! KV formats: what one token's K and V rows look like in a layer's blocks, and every
+//! operation that depends on it (docs/ARCHITECTURE.md, "Adding a KV format").
+//!
+//! - [`KvFormat`]: the per-layer format (dense, or affine groups with optional rotation) and its
+//!   byte counts; the only enum the rest of kvq matches on is this one, and those matches live
+//!   in this folder;
+//! - [`affine`]: the MLX-exact affine group format (docs/ARCHITECTURE.md), [`pack`] its bit streams;
+//! - [`ops`]: quantize / dequantize as candle ops with `cpu`, `cuda` and [`generic`] backends;
+//! - [`rotation`]: the randomized Hadamard rotation of the rotated scheme;
+//! - [`storage`]: one layer's slots in a format ([`LayerKv`]) and rows copied out of it
+//!   ([`LayerRows`]);
+//! - [`tag`]: the names formats have in prompt-cache files and messages.
+
+pub mod affine;
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod generic;
+pub mod ops;
+mod pack;
+mod quantized;
+pub mod rotation;
+pub mod storage;
+pub mod tag;
+
+pub use affine::{QuantError, QuantFormat};
+pub use ops::{
+    dequantize, fused_rotation, quantize, quantize_into, quantize_into_rows,
+    quantize_rotated_into_rows, quantize_rows_into, Quantized, SlotRows,
+};
+pub use storage::{LayerKv, LayerRows};
+
+use candle_core::DType;
+
+/// The element format of a layer's blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvFormat {
+    /// Plain values of this dtype.
+    Dense(DType),
+    /// Affine group quantization, K and V each in their own format (keys are the sensitive
+    /// half: softmax turns key error into weight error); scales and biases in `scale_dtype`.
+    /// `rotated`: head vectors are stored rotated by the cache's randomized Hadamard transform
+    /// (see `kv::rotation`).
+    Affine {
+        key: QuantFormat,
+        value: QuantFormat,
+        scale_dtype: DType,
+        rotated: bool,
+    },
+}
+
+impl KvFormat {
+    pub fn is_rotated(&self) -> bool {
+        matches!(self, KvFormat::Affine { rotated: true, .. })
+    }
+
+    /// Bytes of one token's K row plus its V row (`width` values each: all KV heads).
+    pub fn kv_row_bytes(&self, width: usize) -> usize {
+        match self {
+            KvFormat::Dense(dt) => 2 * width * dt.size_in_bytes(),
+            KvFormat::Affine {
+                key,
+                value,
+                scale_dtype,
+                ..
+            } => key.bytes_per_row(width, *scale_dtype) + value.bytes_per_row(width, *scale_dtype),
+        }
+    }
+
+    /// Checks that a head of `head_dim` values splits into this format's groups.
+    pub fn check_dim(&self, head_dim: usize) -> Result<(), QuantError> {
+        match self {
+            KvFormat::Dense(_) => Ok(()),
+            KvFormat::Affine { key, value, .. } => {
+                key.check_dim(head_dim)?;
+                value.check_dim(head_dim)
+            }
+        }
+    }
+
+    /// One format for K and V.
+    pub fn affine(fmt: QuantFormat, scale_dtype: DType, rotated: bool) -> Self {
+        KvFormat::Affine {
+            key: fmt,
+            value: fmt,
+            scale_dtype,
+            rotated,
+        }
+    }
+}

@@ -379,7 +379,7 @@ impl KvArgs {
     ) -> Result<crate::kv::cache::PagedKvCache> {
         let mut cfg = self.cache_config(model, 0, max_batch)?;
         let mut blocks = capacity_tokens.div_ceil(cfg.block_size) + max_batch;
-        if cfg.window.is_some() {
+        if cfg.kept_window().is_some() {
             // A window caps what each sequence can hold.
             blocks = blocks.min(max_batch * cfg.max_blocks_for(usize::MAX / 2, prefill_chunk));
         }
@@ -437,6 +437,7 @@ impl KvArgs {
             }
         }
         cfg.window = self.max_kv_size;
+        cfg.layer_windows = c.layers.iter().map(|l| l.window).collect();
         cfg.num_blocks = num_blocks;
         Ok(cfg)
     }

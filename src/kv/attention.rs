@@ -7,7 +7,7 @@
 //! (`kv::rotation`) attend in the rotated space: the query is rotated in, the output back.
 
 use candle_core::{DType, Result, Tensor};
-use std::cell::OnceCell;
+use std::cell::RefCell;
 
 use super::cache::{PagedKvCache, SeqId};
 use super::decode::decode_attention_rotated;
@@ -20,13 +20,14 @@ pub struct SeqSlice {
     pub offset: usize,
     pub start: usize,
     pub n: usize,
-    /// First key position any of the new tokens can see (> 0 only with a sliding window).
+    /// First key position any of the new tokens can see in any layer (> 0 only with a
+    /// sliding window on every layer).
     pub kstart: usize,
     /// Cache slots of positions `kstart..start + n` (u32), shared by all layers.
     pub slots: Tensor,
-    /// A prompt chunk's causal mask (`None`: it needs none), built by the first layer that
-    /// attends the chunk by gathering and shared by the others.
-    pub mask: OnceCell<Option<Tensor>>,
+    /// A prompt chunk's causal mask per layer window (`None`: it needs none), built by the
+    /// first layer of that window that attends the chunk by gathering, shared by the others.
+    pub mask: RefCell<Vec<(Option<usize>, Option<Tensor>)>>,
 }
 
 /// Queries that share a pool and go through the fused decode kernel together: every decode
@@ -41,7 +42,8 @@ pub struct DecodeGroup {
     /// order (a decode-only batch: no gather launch per layer).
     rows: Option<Tensor>,
     tables: Tensor,
-    starts: Tensor,
+    /// First visible position of each query, per distinct layer window.
+    starts: Vec<(Option<usize>, Tensor)>,
     lens: Tensor,
 }
 
@@ -59,11 +61,19 @@ pub fn plan_decode(
 ) -> Result<Vec<DecodeGroup>> {
     let err = |e: super::cache::CacheError| candle_core::Error::Msg(e.to_string());
     let dev = cache.device();
+    let mut windows: Vec<Option<usize>> = Vec::new();
+    for l in 0..cache.config().num_layers {
+        let w = cache.layer_window(l);
+        if !windows.contains(&w) {
+            windows.push(w);
+        }
+    }
     let mut groups = Vec::new();
     for main in [true, false] {
         let mut members = Vec::new();
         let mut tables = Vec::new();
-        let (mut rows, mut starts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut rows, mut lens) = (Vec::new(), Vec::new());
+        let mut starts: Vec<Vec<u32>> = vec![Vec::new(); windows.len()];
         for (i, s) in batch.iter().enumerate() {
             if (s.n == 1 || prefill_as_decode) && cache.in_main_pool(s.seq).map_err(err)? == main {
                 members.push((i, rows.len(), s.n));
@@ -71,7 +81,9 @@ pub fn plan_decode(
                 for t in 0..s.n {
                     let pos = s.start + t;
                     rows.push((s.offset + t) as u32);
-                    starts.push(cache.first_visible(pos) as u32);
+                    for (st, w) in starts.iter_mut().zip(&windows) {
+                        st.push(first_visible(*w, pos) as u32);
+                    }
                     lens.push(pos as u32 + 1);
                     tables.push(table.clone());
                 }
@@ -94,7 +106,11 @@ pub fn plan_decode(
             } else {
                 Some(Tensor::from_vec(rows, q, dev)?)
             },
-            starts: Tensor::from_vec(starts, q, dev)?,
+            starts: windows
+                .iter()
+                .zip(starts)
+                .map(|(w, st)| Ok((*w, Tensor::from_vec(st, q, dev)?)))
+                .collect::<Result<Vec<_>>>()?,
             lens: Tensor::from_vec(lens, q, dev)?,
             tables: Tensor::from_vec(flat, (q, width), dev)?,
             members,
@@ -103,9 +119,17 @@ pub fn plan_decode(
     Ok(groups)
 }
 
+/// First position a query at `pos` sees through a window of `window` positions (if any).
+fn first_visible(window: Option<usize>, pos: usize) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
 /// `q`: `[T, heads, head_dim]` for all new tokens of the batch (after RoPE); the new K/V are
 /// already written to the cache. Queries planned by [`plan_decode`] use the fused decode kernel;
-/// other prompt chunks gather their keys and values. Returns `[T, heads, head_dim]`.
+/// other prompt chunks gather their keys and values. Each layer attends through its own window
+/// ([`PagedKvCache::layer_window`]). With `softcap` (Gemma 2) scores become `c·tanh(s/c)`
+/// before the mask: the fused kernel has no such step, so every query gathers. Returns
+/// `[T, heads, head_dim]`.
 pub fn paged_attention(
     q: &Tensor,
     cache: &PagedKvCache,
@@ -113,20 +137,30 @@ pub fn paged_attention(
     batch: &[SeqSlice],
     decode: &[DecodeGroup],
     scale: f64,
+    softcap: Option<f32>,
 ) -> Result<Tensor> {
     let cfg = cache.config();
+    let window = cache.layer_window(layer);
     let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
-    for g in decode {
+    for g in decode.iter().filter(|_| softcap.is_none()) {
         let rot = cache.rotation(layer, g.main);
+        let starts = &g
+            .starts
+            .iter()
+            .find(|(w, _)| *w == window)
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!("layer {layer}: its window was not planned"))
+            })?
+            .1;
         let qg = match &g.rows {
             Some(rows) => q.index_select(rows, 0)?,
-            None => q.narrow(0, 0, g.starts.dim(0)?)?,
+            None => q.narrow(0, 0, starts.dim(0)?)?,
         };
         let o = decode_attention_rotated(
             &qg,
             cache.layer_storage(layer, g.main),
             &g.tables,
-            &g.starts,
+            starts,
             &g.lens,
             cfg.block_size,
             cfg.num_kv_heads,
@@ -148,11 +182,17 @@ pub fn paged_attention(
             .gather(layer, s.seq, &s.slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
-        let mask = match s.mask.get() {
-            Some(m) => m.clone(),
+        let known = s
+            .mask
+            .borrow()
+            .iter()
+            .find(|(w, _)| *w == window)
+            .map(|(_, m)| m.clone());
+        let mask = match known {
+            Some(m) => m,
             None => {
-                let m = chunk_mask(s.n, k.dim(0)?, s.start, s.kstart, cfg.window, q.device())?;
-                s.mask.get_or_init(|| m.clone());
+                let m = chunk_mask(s.n, k.dim(0)?, s.start, s.kstart, window, q.device())?;
+                s.mask.borrow_mut().push((window, m.clone()));
                 m
             }
         };
@@ -169,8 +209,9 @@ pub fn paged_attention(
                 &v,
                 mask.as_ref(),
                 scale,
+                softcap,
             )?)?,
-            None => attend_masked(&qs, &k, &v, mask.as_ref(), scale)?,
+            None => attend_masked(&qs, &k, &v, mask.as_ref(), scale, softcap)?,
         };
         outs[i] = Some(o);
     }
@@ -191,7 +232,7 @@ pub fn attend_one(
     scale: f64,
 ) -> Result<Tensor> {
     let mask = chunk_mask(q.dim(0)?, k.dim(0)?, start, kstart, window, q.device())?;
-    attend_masked(q, k, v, mask.as_ref(), scale)
+    attend_masked(q, k, v, mask.as_ref(), scale, None)
 }
 
 /// The additive mask `attend_one` needs for `n` queries over `l` keys, if any (one query with
@@ -228,13 +269,14 @@ fn chunk_mask(
     visible.where_cond(&zeros, &blocked).map(Some)
 }
 
-/// [`attend_one`] with its mask (`[n, L]`, or none) given.
+/// [`attend_one`] with its mask (`[n, L]`, or none) given, scores soft-capped by `softcap`.
 fn attend_masked(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
     scale: f64,
+    softcap: Option<f32>,
 ) -> Result<Tensor> {
     let (n, h, d) = q.dims3()?;
     let (l, kvh, _) = k.dims3()?;
@@ -252,6 +294,10 @@ fn attend_masked(
         .matmul(&kt.t()?)?
         .to_dtype(DType::F32)?
         .affine(scale, 0.0)?; // [KVH, G*n, L]
+    let scores = match softcap {
+        Some(c) => ((scores / c as f64)?.tanh()? * c as f64)?,
+        None => scores,
+    };
     let scores = match mask {
         Some(mask) => scores
             .reshape((kvh, g, n, l))?
@@ -399,7 +445,7 @@ mod rotated_tests {
             }];
             let plan = plan_decode(&cache, &batch, as_decode).unwrap();
             assert_eq!(plan.len(), usize::from(n == 1 || as_decode));
-            let got = paged_attention(&q, &cache, 0, &batch, &plan, scale).unwrap();
+            let got = paged_attention(&q, &cache, 0, &batch, &plan, scale, None).unwrap();
             let want = attend_one(&q, &ku, &vu, start, 0, None, scale).unwrap();
             let exact = (&got - &want).unwrap().abs().unwrap().max_all().unwrap();
             let exact: f32 = exact.to_scalar().unwrap();

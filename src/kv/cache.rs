@@ -14,7 +14,11 @@
 //!   write that would bring it to N tokens first moves its history into the main pool
 //!   (quantizing each row exactly as a direct write would) and frees its staging blocks;
 //! - `--max-kv-size W`: blocks whose tokens no future query can see (all positions ≤ len − W)
-//!   go back to the pool, so a sequence holds at most ⌈W / block_size⌉ + 1 blocks.
+//!   go back to the pool, so a sequence holds at most ⌈W / block_size⌉ + 1 blocks;
+//! - per-layer windows (the model's sliding-window layers, [`CacheConfig::layer_windows`]):
+//!   each layer attends through its own window, capped by `--max-kv-size`; blocks go back once
+//!   no layer can see them (while one block table serves all layers, a model with any global
+//!   layer keeps every block).
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -72,6 +76,9 @@ pub struct CacheConfig {
     pub staging: Option<Staging>,
     /// Sliding window: a query sees at most this many most recent positions (itself included).
     pub window: Option<usize>,
+    /// The model's own sliding window of each layer (`None`: global), before `window` caps
+    /// it; empty: no layer has one.
+    pub layer_windows: Vec<Option<usize>>,
 }
 
 impl CacheConfig {
@@ -93,7 +100,25 @@ impl CacheConfig {
             formats: vec![KvFormat::Dense(dtype); num_layers],
             staging: None,
             window: None,
+            layer_windows: Vec::new(),
         }
+    }
+
+    /// The window `layer` attends through: its own, capped by `--max-kv-size`.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let own = self.layer_windows.get(layer).copied().flatten();
+        match (own, self.window) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The widest window over all layers (`None` when some layer is global): the positions a
+    /// sequence must keep.
+    pub fn kept_window(&self) -> Option<usize> {
+        (0..self.num_layers.max(1))
+            .map(|l| self.layer_window(l))
+            .try_fold(0, |m, w| w.map(|w| m.max(w)))
     }
 
     /// Values in one K (or V) row: all KV heads of one token.
@@ -144,7 +169,7 @@ impl CacheConfig {
     /// `chunk` tokens, can own at once (the sliding window bounds it).
     pub fn max_blocks_for(&self, tokens: usize, chunk: usize) -> usize {
         let all = self.blocks_for(tokens);
-        match self.window {
+        match self.kept_window() {
             Some(w) => all.min(self.blocks_for(w + chunk) + 1),
             None => all,
         }
@@ -382,9 +407,14 @@ impl PagedKvCache {
         Ok(())
     }
 
-    /// First position a query at `pos` can see.
+    /// The window `layer` attends through (see [`CacheConfig::layer_window`]).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.cfg.layer_window(layer)
+    }
+
+    /// First position a query at `pos` can see in any layer.
     pub fn first_visible(&self, pos: usize) -> usize {
-        match self.cfg.window {
+        match self.cfg.kept_window() {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         }
@@ -487,7 +517,7 @@ impl PagedKvCache {
     /// go of blocks that slid out of the window.
     pub fn advance(&mut self, id: SeqId, n: usize) -> Result<()> {
         let bs = self.cfg.block_size;
-        let window = self.cfg.window;
+        let window = self.cfg.kept_window();
         let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
         if s.len + n > s.blocks.len() * bs {
             return Err(candle_core::Error::Msg(format!(

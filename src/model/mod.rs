@@ -1,5 +1,5 @@
 //! Models: where weights come from (GGUF, safetensors, the Hub, dummy), their config, the
-//! tokenizer and chat template, and the one Llama-family decoder.
+//! tokenizer and chat template, and the one decoder (Llama family, Gemma 2/3, Phi-3).
 
 pub mod chat;
 pub mod config;
@@ -9,4 +9,5 @@ pub mod hub;
 pub mod llama;
 pub mod load;
 pub mod tokenizer;
+pub mod tokenizer_spm;
 pub mod weights;

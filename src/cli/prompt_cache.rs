@@ -80,11 +80,12 @@ impl CacheFiles {
 /// Refuses to save where the cache could not hold the whole prompt (a sliding window shorter
 /// than the prompt drops its first tokens before the prefill ends).
 pub fn check_can_save(cfg: &CacheConfig, prompt_tokens: usize) -> Result<()> {
-    if let Some(w) = cfg.window {
+    if let Some(w) = cfg.kept_window() {
         if prompt_tokens >= w {
             bail!(
                 "--save-prompt-cache needs the whole prompt in the KV cache, but the prompt has \
-                 {prompt_tokens} tokens and --max-kv-size keeps {w}"
+                 {prompt_tokens} tokens and the cache keeps {w} (--max-kv-size or the model's \
+                 sliding window)"
             );
         }
     }

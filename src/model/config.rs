@@ -1,7 +1,10 @@
 //! The decoder's shape, read from GGUF metadata or a Hugging Face config.json.
 //!
-//! One struct serves the whole Llama family (Llama 2/3, SmolLM, Mistral, Qwen2/2.5, Qwen3): they
-//! differ only in flags (attention bias, q/k norms, tied embeddings, RoPE scaling).
+//! One struct serves every architecture kvq runs: the Llama family (Llama 2/3, SmolLM, Mistral,
+//! Qwen2/2.5, Qwen3), Gemma 2, Gemma 3 (text) and Phi-3. They differ only in switches (attention
+//! bias, q/k norms, tied embeddings, RoPE scaling, soft-capping, extra norms, activation) and in
+//! [`ModelConfig::layers`]: each layer's attention kind — global, or a sliding window of W
+//! tokens — with its own RoPE base.
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
@@ -15,7 +18,13 @@ pub enum Arch {
     Mistral,
     Qwen2,
     Qwen3,
+    Gemma2,
+    Gemma3,
+    Phi3,
 }
+
+/// The names [`Arch::from_name`] accepts, for messages.
+pub const SUPPORTED_ARCHS: &str = "llama, mistral, qwen2, qwen3, gemma2, gemma3 (text), phi3";
 
 impl Arch {
     /// Maps a GGUF `general.architecture` or an HF `model_type` to an architecture.
@@ -25,11 +34,68 @@ impl Arch {
             "mistral" => Arch::Mistral,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
-            other => bail!(
-                "unsupported model architecture '{other}' (kvq runs: llama, mistral, qwen2, qwen3)"
-            ),
+            "gemma2" => Arch::Gemma2,
+            "gemma3" | "gemma3_text" => Arch::Gemma3,
+            "phi3" => Arch::Phi3,
+            other => {
+                bail!("unsupported model architecture '{other}' (kvq runs: {SUPPORTED_ARCHS})")
+            }
         })
     }
+
+    /// Gemma 2 and 3: RMS norms scale by `1 + w` in Hugging Face weights (llama.cpp's GGUF
+    /// stores `1 + w`), embeddings are scaled by √hidden, every sub-block has a post-norm,
+    /// the MLP is GeGLU (tanh GELU).
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+}
+
+/// How one layer attends.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct LayerAttn {
+    /// `Some(W)`: a sliding window — a query sees the W most recent positions, itself
+    /// included; `None`: every earlier position (global).
+    pub window: Option<usize>,
+    /// RoPE base of this layer (Gemma 3's local layers have their own).
+    pub rope_theta: f32,
+}
+
+/// The per-layer attention kinds of a model whose window is `window` (if any): `sliding[l]`
+/// says whether layer `l` uses it; sliding layers take `local_theta`, the others `theta`.
+fn layer_kinds(
+    sliding: &[bool],
+    window: Option<usize>,
+    theta: f32,
+    local_theta: f32,
+) -> Vec<LayerAttn> {
+    sliding
+        .iter()
+        .map(|&s| match window {
+            Some(w) if s => LayerAttn {
+                window: Some(w),
+                rope_theta: local_theta,
+            },
+            _ => LayerAttn {
+                window: None,
+                rope_theta: theta,
+            },
+        })
+        .collect()
+}
+
+/// Which layers slide by default when the config lists none: Gemma 2 every other layer from
+/// the first, Gemma 3 five of every six, Mistral and Phi-3 all of them (when a window is set),
+/// Qwen2 the layers from `max_window_layers` on.
+fn default_sliding(arch: Arch, layers: usize, qwen2_first: usize) -> Vec<bool> {
+    (0..layers)
+        .map(|l| match arch {
+            Arch::Gemma2 => l % 2 == 0,
+            Arch::Gemma3 => (l + 1) % 6 != 0,
+            Arch::Qwen2 => l >= qwen2_first,
+            _ => true,
+        })
+        .collect()
 }
 
 /// Llama-3-style frequency scaling of RoPE (`rope_scaling.rope_type == "llama3"`).
@@ -59,8 +125,16 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Qwen2: biases on the q/k/v projections.
     pub attention_bias: bool,
-    /// Qwen3: RMS norms on q and k per head, before RoPE.
+    /// Qwen3, Gemma 3: RMS norms on q and k per head, before RoPE.
     pub qk_norm: bool,
+    /// Each layer's attention kind and RoPE base (`num_layers` entries).
+    pub layers: Vec<LayerAttn>,
+    /// Scale of the attention scores (`1/√head_dim`, Gemma: `1/√query_pre_attn_scalar`).
+    pub attn_scale: f64,
+    /// Gemma 2: attention scores become `c·tanh(s/c)` before the mask.
+    pub attn_softcap: Option<f32>,
+    /// Gemma 2: final logits become `c·tanh(x/c)`.
+    pub final_softcap: Option<f32>,
 }
 
 impl ModelConfig {
@@ -108,22 +182,69 @@ impl ModelConfig {
         let has_q_norm = content
             .tensor_infos
             .contains_key("blk.0.attn_q_norm.weight");
+        let num_layers = get_u("block_count")?;
+        let rope_theta = get_f("rope.freq_base").unwrap_or(10_000.0);
+        let window = get_u("attention.sliding_window").ok().filter(|&w| w > 0);
+        let sliding = match md.get(&key("attention.sliding_window_pattern")) {
+            Some(gguf_file::Value::Array(a)) => {
+                let v: Vec<bool> = a
+                    .iter()
+                    .map(|x| x.to_bool())
+                    .collect::<std::result::Result<_, _>>()
+                    .with_context(|| {
+                        format!(
+                            "{} is not an array of bools",
+                            key("attention.sliding_window_pattern")
+                        )
+                    })?;
+                if v.len() != num_layers {
+                    bail!(
+                        "{} has {} entries for {num_layers} layers",
+                        key("attention.sliding_window_pattern"),
+                        v.len()
+                    );
+                }
+                v
+            }
+            // Qwen2 GGUFs carry no window (llama.cpp runs them global).
+            _ if arch == Arch::Qwen2 => vec![false; num_layers],
+            _ => default_sliding(arch, num_layers, 0),
+        };
+        let local_theta = match arch {
+            // llama.cpp's default for Gemma 3's local layers.
+            Arch::Gemma3 => get_f("rope.freq_base_swa").unwrap_or(10_000.0),
+            _ => get_f("rope.freq_base_swa").unwrap_or(rope_theta),
+        };
+        let softcap = |k: &str| get_f(k).filter(|&c| c > 0.0);
         let cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size: get_u("feed_forward_length")?,
-            num_layers: get_u("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size,
-            rope_theta: get_f("rope.freq_base").unwrap_or(10_000.0),
+            rope_theta,
             rope_scaling: None,
             rms_norm_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f64,
             max_position_embeddings: get_u("context_length").unwrap_or(4096),
             tie_word_embeddings: !has_output,
             attention_bias: has_q_bias,
             qk_norm: has_q_norm,
+            layers: layer_kinds(&sliding, window, rope_theta, local_theta),
+            // llama.cpp scales Gemma queries by 1/√head_dim (query_pre_attn_scalar is not kept).
+            attn_scale: 1.0 / (head_dim as f64).sqrt(),
+            attn_softcap: if arch == Arch::Gemma2 {
+                softcap("attn_logit_softcapping")
+            } else {
+                None
+            },
+            final_softcap: if arch == Arch::Gemma2 {
+                softcap("final_logit_softcapping")
+            } else {
+                None
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -162,7 +283,37 @@ impl ModelConfig {
             Some(h) => h as usize,
             None => hidden_size / num_heads,
         };
-        let rope_scaling = match v.get("rope_scaling") {
+        // transformers 5 writes `rope_parameters` (per layer type for Gemma 3) instead of
+        // `rope_theta` / `rope_scaling`.
+        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
+        let typed = |t: &str| rope_params.and_then(|p| p.get(t)).filter(|p| p.is_object());
+        let global_params = typed("full_attention").or(rope_params);
+        let theta_of =
+            |p: Option<&Value>| p.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64);
+        let rope_theta = theta_of(global_params)
+            .or_else(|| v.get("rope_theta").and_then(Value::as_f64))
+            .unwrap_or(10_000.0) as f32;
+        let local_theta = theta_of(typed("sliding_attention"))
+            .or_else(|| v.get("rope_local_base_freq").and_then(Value::as_f64))
+            .map_or(rope_theta, |t| t as f32);
+        if let Some(f) = global_params
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            .or_else(|| v.get("partial_rotary_factor").and_then(Value::as_f64))
+        {
+            if f != 1.0 {
+                bail!("partial_rotary_factor {f} is not supported (kvq rotates whole heads)");
+            }
+        }
+        let scaling = match v.get("rope_scaling") {
+            Some(Value::Null) | None => global_params.filter(|p| {
+                p.get("rope_type")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| t != "default")
+            }),
+            Some(rs) => Some(rs),
+        };
+        let rope_scaling = match scaling {
             Some(rs) if rs.get("rope_type").and_then(Value::as_str) == Some("llama3") => {
                 let f = |k: &str| rs.get(k).and_then(Value::as_f64).map(|x| x as f32);
                 Some(Llama3RopeScaling {
@@ -176,22 +327,77 @@ impl ModelConfig {
                         as usize,
                 })
             }
-            Some(Value::Null) | None => None,
+            None => None,
             Some(rs) => bail!("unsupported rope_scaling {rs}"),
         };
+        let num_layers = u("num_hidden_layers")?;
+        let window = v
+            .get("sliding_window")
+            .and_then(Value::as_u64)
+            .map(|w| w as usize)
+            .filter(|&w| w > 0)
+            .filter(|_| {
+                arch != Arch::Qwen2
+                    || v.get("use_sliding_window").and_then(Value::as_bool) == Some(true)
+            });
+        let sliding = match v.get("layer_types").and_then(Value::as_array) {
+            Some(types) => {
+                if types.len() != num_layers {
+                    bail!(
+                        "layer_types has {} entries for {num_layers} layers",
+                        types.len()
+                    );
+                }
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("sliding_attention") => Ok(true),
+                        Some("full_attention") => Ok(false),
+                        _ => bail!(
+                            "layer_types entry {t} is not supported (kvq knows sliding_attention, \
+                             full_attention)"
+                        ),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+            None => {
+                let first = v
+                    .get("max_window_layers")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0) as usize;
+                match v.get("sliding_window_pattern").and_then(Value::as_u64) {
+                    Some(p) if p > 0 && arch == Arch::Gemma3 => {
+                        (0..num_layers).map(|l| (l + 1) % p as usize != 0).collect()
+                    }
+                    _ => default_sliding(arch, num_layers, first),
+                }
+            }
+        };
+        let f = |k: &str| v.get(k).and_then(Value::as_f64);
+        let attn_scale = match f("query_pre_attn_scalar") {
+            Some(s) if arch.is_gemma() => 1.0 / s.sqrt(),
+            _ => 1.0 / (head_dim as f64).sqrt(),
+        };
+        if arch.is_gemma() {
+            let act = v
+                .get("hidden_activation")
+                .or_else(|| v.get("hidden_act"))
+                .and_then(Value::as_str)
+                .unwrap_or("gelu_pytorch_tanh");
+            if act != "gelu_pytorch_tanh" {
+                bail!("hidden_activation {act} is not supported for Gemma (kvq runs gelu_pytorch_tanh)");
+            }
+        }
         let cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size: u("intermediate_size")?,
-            num_layers: u("num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads: u("num_key_value_heads").unwrap_or(num_heads),
             head_dim,
             vocab_size: u("vocab_size")?,
-            rope_theta: v
-                .get("rope_theta")
-                .and_then(Value::as_f64)
-                .unwrap_or(10_000.0) as f32,
+            rope_theta,
             rope_scaling,
             rms_norm_eps: v
                 .get("rms_norm_eps")
@@ -201,12 +407,20 @@ impl ModelConfig {
             tie_word_embeddings: v
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
-                .unwrap_or(false),
+                .unwrap_or(arch.is_gemma()),
             attention_bias: v
                 .get("attention_bias")
                 .and_then(Value::as_bool)
                 .unwrap_or(arch == Arch::Qwen2),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            layers: layer_kinds(&sliding, window, rope_theta, local_theta),
+            attn_scale,
+            attn_softcap: f("attn_logit_softcapping")
+                .filter(|&c| c > 0.0 && arch == Arch::Gemma2)
+                .map(|c| c as f32),
+            final_softcap: f("final_logit_softcapping")
+                .filter(|&c| c > 0.0 && arch.is_gemma())
+                .map(|c| c as f32),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -229,7 +443,20 @@ impl ModelConfig {
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             bail!("model config has a zero size");
         }
+        if self.layers.len() != self.num_layers {
+            bail!(
+                "{} layer attention kinds for {} layers",
+                self.layers.len(),
+                self.num_layers
+            );
+        }
         Ok(())
+    }
+
+    /// The window of every windowed layer when all such layers share one (they do in every
+    /// architecture kvq runs); `None` when no layer slides.
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.layers.iter().filter_map(|l| l.window).max()
     }
 
     /// Query heads per KV head (grouped-query attention).

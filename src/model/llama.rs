@@ -1,4 +1,14 @@
-//! The one decoder for the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2/2.5, Qwen3).
+//! The one decoder for every architecture kvq runs: the Llama family (Llama 2/3, SmolLM,
+//! Mistral, Qwen2/2.5, Qwen3), Gemma 2, Gemma 3 (text) and Phi-3.
+//!
+//! Decision: one decoder with config switches, not a file per architecture. The architectures
+//! share the whole skeleton (embedding, pre-norm attention and gated MLP blocks with residuals,
+//! paged attention, final norm, output projection); what differs is a handful of switches read
+//! from [`ModelConfig`]: Gemma's embedding scale, post-norms after attention and MLP, GeGLU and
+//! soft-capping; q/k norms (Qwen3, Gemma 3); Phi-3's fused q/k/v and gate/up matrices (split
+//! after one matmul); and per layer ([`ModelConfig::layers`]) a global or sliding-window
+//! attention with its own RoPE base (Gemma 3's local layers). Separate files would repeat the
+//! forward pass five times for these few lines.
 //!
 //! A forward pass takes a flat list of new tokens from any number of sequences (no padding):
 //! each sequence brings its own positions, so RoPE, masks and lengths are per sequence, and a
@@ -8,23 +18,52 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
-use super::config::ModelConfig;
+use super::config::{Arch, ModelConfig};
 use super::weights::{Linear, Name, Weights};
 use crate::kv::attend::{paged_attention, plan_decode, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 
+/// Q, K and V projections: three matrices, or one whose output rows are q, k, v (Phi-3).
+enum QkvProj {
+    Split { q: Linear, k: Linear, v: Linear },
+    Fused(Linear),
+}
+
+/// Gate and up projections: two matrices, or one whose output rows are gate, up (Phi-3).
+enum GateUpProj {
+    Split { gate: Linear, up: Linear },
+    Fused(Linear),
+}
+
 struct Block {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    qkv: QkvProj,
     o: Linear,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
+    /// Gemma: norms of the attention and MLP outputs before their residual adds.
+    post_attn_norm: Option<Tensor>,
+    post_ffn_norm: Option<Tensor>,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    gate_up: GateUpProj,
     down: Linear,
+    /// Index of this layer's RoPE tables in `Llama::ropes`.
+    rope: usize,
+}
+
+impl Block {
+    fn linears(&self) -> Vec<&Linear> {
+        let mut v = vec![&self.o, &self.down];
+        match &self.qkv {
+            QkvProj::Split { q, k, v: vv } => v.extend([q, k, vv]),
+            QkvProj::Fused(l) => v.push(l),
+        }
+        match &self.gate_up {
+            GateUpProj::Split { gate, up } => v.extend([gate, up]),
+            GateUpProj::Fused(l) => v.push(l),
+        }
+        v
+    }
 }
 
 /// One sequence's new tokens in a forward pass.
@@ -49,9 +88,8 @@ pub struct Llama {
     blocks: Vec<Block>,
     norm: Tensor,
     lm_head: Linear,
-    /// RoPE tables `[max_positions, D/2]`, f32.
-    cos: Tensor,
-    sin: Tensor,
+    /// RoPE tables `[max_positions, D/2]`, f32, one (cos, sin) pair per distinct base.
+    ropes: Vec<(Tensor, Tensor)>,
     device: Device,
     dtype: DType,
     /// Attend prompt tokens as decode queries ([`plan_decode`]): see [`Llama::batch_invariant`].
@@ -63,43 +101,73 @@ impl Llama {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let q_out = cfg.num_heads * hd;
         let kv_out = cfg.num_kv_heads * hd;
+        let ff = cfg.intermediate_size;
+        let fused = cfg.arch == Arch::Phi3;
+        let gemma = cfg.arch.is_gemma();
         let embed = w.dense(Name::Embed, &[cfg.vocab_size, h])?;
+        let mut thetas: Vec<f32> = Vec::new();
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let bias = cfg.attention_bias;
+            let theta = cfg.layers[l].rope_theta;
+            let rope = match thetas.iter().position(|&t| t == theta) {
+                Some(i) => i,
+                None => {
+                    thetas.push(theta);
+                    thetas.len() - 1
+                }
+            };
+            let qkv = if fused {
+                QkvProj::Fused(w.linear(Name::Qkv(l), h, q_out + 2 * kv_out, bias)?)
+            } else {
+                QkvProj::Split {
+                    q: w.linear(Name::Q(l), h, q_out, bias)?,
+                    k: w.linear(Name::K(l), h, kv_out, bias)?,
+                    v: w.linear(Name::V(l), h, kv_out, bias)?,
+                }
+            };
+            let gate_up = if fused {
+                GateUpProj::Fused(w.linear(Name::GateUp(l), h, 2 * ff, false)?)
+            } else {
+                GateUpProj::Split {
+                    gate: w.linear(Name::Gate(l), h, ff, false)?,
+                    up: w.linear(Name::Up(l), h, ff, false)?,
+                }
+            };
+            let opt = |w: &mut Weights, on: bool, name: Name, len: usize| -> Result<_> {
+                Ok(if on {
+                    Some(w.dense(name, &[len])?)
+                } else {
+                    None
+                })
+            };
             blocks.push(Block {
                 attn_norm: w.dense(Name::AttnNorm(l), &[h])?,
-                q: w.linear(Name::Q(l), h, q_out, bias)?,
-                k: w.linear(Name::K(l), h, kv_out, bias)?,
-                v: w.linear(Name::V(l), h, kv_out, bias)?,
+                qkv,
                 o: w.linear(Name::O(l), q_out, h, false)?,
-                q_norm: if cfg.qk_norm {
-                    Some(w.dense(Name::QNorm(l), &[hd])?)
-                } else {
-                    None
-                },
-                k_norm: if cfg.qk_norm {
-                    Some(w.dense(Name::KNorm(l), &[hd])?)
-                } else {
-                    None
-                },
+                q_norm: opt(w, cfg.qk_norm, Name::QNorm(l), hd)?,
+                k_norm: opt(w, cfg.qk_norm, Name::KNorm(l), hd)?,
+                post_attn_norm: opt(w, gemma, Name::PostAttnNorm(l), h)?,
+                post_ffn_norm: opt(w, gemma, Name::PostFfnNorm(l), h)?,
                 ffn_norm: w.dense(Name::FfnNorm(l), &[h])?,
-                gate: w.linear(Name::Gate(l), h, cfg.intermediate_size, false)?,
-                up: w.linear(Name::Up(l), h, cfg.intermediate_size, false)?,
-                down: w.linear(Name::Down(l), cfg.intermediate_size, h, false)?,
+                gate_up,
+                down: w.linear(Name::Down(l), ff, h, false)?,
+                rope,
             });
         }
         let norm = w.dense(Name::OutputNorm, &[h])?;
         let lm_head = w.lm_head(cfg.vocab_size, h, &embed)?;
-        let (cos, sin) = rope_tables(cfg, w.device())?;
+        let ropes = thetas
+            .iter()
+            .map(|&t| rope_tables(cfg, t, w.device()))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             cfg: cfg.clone(),
             embed,
             blocks,
             norm,
             lm_head,
-            cos,
-            sin,
+            ropes,
             device: w.device().clone(),
             dtype: w.dtype(),
             batch_invariant: w.device().is_cpu(),
@@ -129,6 +197,7 @@ impl Llama {
             num_layers: c.num_layers,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
+            layer_windows: c.layers.iter().map(|l| l.window).collect(),
         }
     }
 
@@ -147,11 +216,10 @@ impl Llama {
     /// Whether any projection runs on quantized weight blocks (else every matmul is dense).
     pub fn has_quantized_weights(&self) -> bool {
         self.lm_head.is_quantized()
-            || self.blocks.iter().any(|b| {
-                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]
-                    .iter()
-                    .any(|l| l.is_quantized())
-            })
+            || self
+                .blocks
+                .iter()
+                .any(|b| b.linears().iter().any(|l| l.is_quantized()))
     }
 
     /// Runs the new tokens of `inputs` through the model, appending their K/V to `cache` (space
@@ -199,10 +267,18 @@ impl Llama {
         let t = tokens.len();
         let ids = Tensor::from_vec(tokens, t, &self.device)?;
         let pos = Tensor::from_vec(positions, t, &self.device)?;
-        let cos = self.cos.index_select(&pos, 0)?.to_dtype(self.dtype)?;
-        let sin = self.sin.index_select(&pos, 0)?.to_dtype(self.dtype)?;
-        let scale = 1.0 / (hd as f64).sqrt();
+        let ropes = self
+            .ropes
+            .iter()
+            .map(|(cos, sin)| -> Result<_> {
+                Ok((
+                    cos.index_select(&pos, 0)?.to_dtype(self.dtype)?,
+                    sin.index_select(&pos, 0)?.to_dtype(self.dtype)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let eps = cfg.rms_norm_eps as f32;
+        let (q_out, kv_out) = (nh * hd, nkv * hd);
 
         let decode = plan_decode(cache, &batch, self.batch_invariant)?;
         let spans: Vec<_> = batch
@@ -210,12 +286,30 @@ impl Llama {
             .map(|s| (s.seq, s.start, s.offset, s.n))
             .collect();
         let mut x = self.embed.index_select(&ids, 0)?; // [T, hidden]
+        if cfg.arch.is_gemma() {
+            // √hidden, rounded to the compute dtype as Gemma's reference code does.
+            let scale = Tensor::new((cfg.hidden_size as f32).sqrt(), &self.device)?
+                .to_dtype(self.dtype)?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+            x = x.affine(scale, 0.0)?;
+        }
         for (l, b) in self.blocks.iter().enumerate() {
             let residual = &x;
             let hs = candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?;
-            let q = b.q.forward(&hs)?.reshape((t, nh, hd))?;
-            let k = b.k.forward(&hs)?.reshape((t, nkv, hd))?;
-            let v = b.v.forward(&hs)?;
+            let (q, k, v) = match &b.qkv {
+                QkvProj::Split { q, k, v } => (q.forward(&hs)?, k.forward(&hs)?, v.forward(&hs)?),
+                QkvProj::Fused(qkv) => {
+                    let y = qkv.forward(&hs)?;
+                    (
+                        y.narrow(1, 0, q_out)?.contiguous()?,
+                        y.narrow(1, q_out, kv_out)?.contiguous()?,
+                        y.narrow(1, q_out + kv_out, kv_out)?.contiguous()?,
+                    )
+                }
+            };
+            let q = q.reshape((t, nh, hd))?;
+            let k = k.reshape((t, nkv, hd))?;
             let (q, k) = match (&b.q_norm, &b.k_norm) {
                 (Some(qn), Some(kn)) => (
                     candle_nn::ops::rms_norm(&q.contiguous()?, qn, eps)?,
@@ -223,19 +317,48 @@ impl Llama {
                 ),
                 _ => (q, k),
             };
-            // RoPE on [1, T, heads, D] with per-token cos/sin [T, D/2].
-            let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, &cos, &sin)?
+            // RoPE on [1, T, heads, D] with per-token cos/sin [T, D/2] of this layer's base.
+            let (cos, sin) = &ropes[b.rope];
+            let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, cos, sin)?
                 .squeeze(0)?;
-            let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, &cos, &sin)?
+            let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, cos, sin)?
                 .squeeze(0)?
                 .reshape((t, nkv * hd))?;
             cache.write_spans(l, &spans, &k, &v)?;
-            let attn =
-                paged_attention(&q, cache, l, &batch, &decode, scale)?.reshape((t, nh * hd))?;
-            let x1 = (b.o.forward(&attn)? + residual)?;
+            let attn = paged_attention(
+                &q,
+                cache,
+                l,
+                &batch,
+                &decode,
+                cfg.attn_scale,
+                cfg.attn_softcap,
+            )?
+            .reshape((t, nh * hd))?;
+            let mut attn = b.o.forward(&attn)?;
+            if let Some(n) = &b.post_attn_norm {
+                attn = candle_nn::ops::rms_norm(&attn, n, eps)?;
+            }
+            let x1 = (attn + residual)?;
             let hs = candle_nn::ops::rms_norm(&x1, &b.ffn_norm, eps)?;
-            let mlp = (candle_nn::ops::silu(&b.gate.forward(&hs)?)? * b.up.forward(&hs)?)?;
-            x = (b.down.forward(&mlp)? + x1)?;
+            let (gate, up) = match &b.gate_up {
+                GateUpProj::Split { gate, up } => (gate.forward(&hs)?, up.forward(&hs)?),
+                GateUpProj::Fused(gu) => {
+                    let y = gu.forward(&hs)?;
+                    let ff = cfg.intermediate_size;
+                    (y.narrow(1, 0, ff)?, y.narrow(1, ff, ff)?)
+                }
+            };
+            let act = if cfg.arch.is_gemma() {
+                gate.gelu()? // tanh approximation (gelu_pytorch_tanh)
+            } else {
+                candle_nn::ops::silu(&gate)?
+            };
+            let mut mlp = b.down.forward(&(act * up)?.contiguous()?)?;
+            if let Some(n) = &b.post_ffn_norm {
+                mlp = candle_nn::ops::rms_norm(&mlp, n, eps)?;
+            }
+            x = (mlp + x1)?;
         }
         for s in &batch {
             cache.advance(s.seq, s.n)?;
@@ -249,17 +372,26 @@ impl Llama {
             }
         };
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        Ok(match cfg.final_softcap {
+            Some(c) => ((logits / c as f64)?.tanh()? * c as f64)?,
+            None => logits,
+        })
     }
 }
 
-/// cos/sin of `position * inv_freq` for every position of the window, f32 `[P, D/2]`.
-fn rope_tables(cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
+/// cos/sin of `position * inv_freq` for every position of the window, f32 `[P, D/2]`, for
+/// RoPE base `theta` (Llama 3 scaling applies to the model's global base only).
+fn rope_tables(cfg: &ModelConfig, theta: f32, dev: &Device) -> Result<(Tensor, Tensor)> {
     let d = cfg.head_dim;
     let mut inv_freq: Vec<f32> = (0..d / 2)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / d as f32))
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / d as f32))
         .collect();
-    if let Some(s) = &cfg.rope_scaling {
+    if let Some(s) = cfg
+        .rope_scaling
+        .as_ref()
+        .filter(|_| theta == cfg.rope_theta)
+    {
         // Llama 3: long wavelengths are slowed by `factor`, short ones kept, smooth in between.
         let old = s.original_max_position_embeddings as f32;
         let low_wl = old / s.low_freq_factor;

@@ -1,5 +1,5 @@
 //! Models: where weights come from (GGUF, safetensors, the Hub, dummy), their config, the
-//! tokenizer and chat template, and the one Llama-family decoder.
+//! tokenizer and chat template, and the one decoder (Llama family, Gemma 2/3, Phi-3).
 
 pub mod chat;
 pub mod config;
@@ -10,4 +10,5 @@ pub mod llama;
 pub mod load;
 pub mod options;
 pub mod tokenizer;
+pub mod tokenizer_spm;
 pub mod weights;

@@ -3,6 +3,8 @@
 //! Decisions:
 //! - One type, [`TextTokenizer`], wraps a `tokenizers::Tokenizer` plus what the engine needs beside
 //!   it: BOS/EOS ids, whether the model wants a BOS, and the chat template source.
+//! - GGUF SentencePiece vocabularies (`tokenizer.ggml.model = "llama"`) are rebuilt by
+//!   [`super::tokenizer_spm`] (merges from scores, byte fallback).
 //! - GGUF byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is rebuilt as a `tokenizers` BPE. The
 //!   pre-tokenizer follows `tokenizer.ggml.pre` the way llama.cpp does: the SmolLM/StarCoder family
 //!   isolates every digit before the GPT-2 split (a plain ByteLevel gives different ids when 2+
@@ -46,7 +48,8 @@ pub struct TextTokenizer {
 }
 
 impl TextTokenizer {
-    /// Builds a byte-level BPE tokenizer from GGUF metadata (`tokenizer.ggml.*`).
+    /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*`): byte-level BPE ("gpt2")
+    /// or SentencePiece ("llama").
     pub fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
         let md = &content.metadata;
         let get = |key: &str| md.get(key);
@@ -54,8 +57,8 @@ impl TextTokenizer {
             .ok_or_else(|| anyhow!("GGUF has no tokenizer (tokenizer.ggml.model is missing)"))?
             .to_string()
             .context("tokenizer.ggml.model is not a string")?;
-        if model != "gpt2" {
-            bail!("unsupported GGUF tokenizer model {model:?} (kvq reads byte-level BPE, \"gpt2\"; use the model's tokenizer.json instead)");
+        if model != "gpt2" && model != "llama" {
+            bail!("unsupported GGUF tokenizer model {model:?} (kvq reads byte-level BPE, \"gpt2\", and SentencePiece, \"llama\"; use the model's tokenizer.json instead)");
         }
         let tokens: Vec<String> = get("tokenizer.ggml.tokens")
             .ok_or_else(|| anyhow!("GGUF tokenizer.ggml.tokens is missing"))?
@@ -122,31 +125,59 @@ impl TextTokenizer {
                 .context("tokenizer.ggml.add_bos_token is not a bool")?,
             None => false,
         };
-        let pre = match get("tokenizer.ggml.pre") {
-            Some(v) => v
-                .to_string()
-                .context("tokenizer.ggml.pre is not a string")?
-                .clone(),
-            None => "default".to_string(),
+        let mut inner = if model == "llama" {
+            let scores: Vec<f32> = match get("tokenizer.ggml.scores") {
+                None => bail!("GGUF SentencePiece tokenizer has no tokenizer.ggml.scores"),
+                Some(v) => v
+                    .to_vec()
+                    .context("tokenizer.ggml.scores is not an array")?
+                    .iter()
+                    .map(|s| s.to_f32())
+                    .collect::<std::result::Result<_, _>>()
+                    .context("tokenizer.ggml.scores holds a non-f32")?,
+            };
+            if scores.len() != tokens.len() {
+                bail!(
+                    "GGUF tokenizer has {} tokens but {} scores",
+                    tokens.len(),
+                    scores.len()
+                );
+            }
+            let add_space_prefix = match get("tokenizer.ggml.add_space_prefix") {
+                Some(v) => v
+                    .to_bool()
+                    .context("tokenizer.ggml.add_space_prefix is not a bool")?,
+                None => true, // llama.cpp's default for SentencePiece
+            };
+            super::tokenizer_spm::tokenizer(&tokens, &scores, unk_id, add_space_prefix)?
+        } else {
+            let pre = match get("tokenizer.ggml.pre") {
+                Some(v) => v
+                    .to_string()
+                    .context("tokenizer.ggml.pre is not a string")?
+                    .clone(),
+                None => "default".to_string(),
+            };
+            let pre_tokenizer = pre_tokenizer_for(&pre)?;
+
+            let mut vocab = ahash::AHashMap::with_capacity(tokens.len());
+            for (id, tok) in tokens.iter().enumerate() {
+                // Duplicate strings exist in some vocabularies; the first id wins, as in llama.cpp.
+                vocab.entry(tok.clone()).or_insert(id as u32);
+            }
+            let mut builder = BPE::builder().vocab_and_merges(vocab, merges);
+            if let Some(unk) = unk_id {
+                builder = builder.unk_token(tokens[unk as usize].clone());
+            }
+            let bpe = builder
+                .build()
+                .map_err(|e| anyhow!("building the BPE model from GGUF: {e}"))?;
+
+            let mut inner = Tokenizer::new(bpe);
+            inner.with_pre_tokenizer(Some(pre_tokenizer));
+            inner.with_decoder(Some(ByteLevelDecoder::default()));
+            inner
         };
-        let pre_tokenizer = pre_tokenizer_for(&pre)?;
-
-        let mut vocab = ahash::AHashMap::with_capacity(tokens.len());
-        for (id, tok) in tokens.iter().enumerate() {
-            // Duplicate strings exist in some vocabularies; the first id wins, as in llama.cpp.
-            vocab.entry(tok.clone()).or_insert(id as u32);
-        }
-        let mut builder = BPE::builder().vocab_and_merges(vocab, merges);
-        if let Some(unk) = unk_id {
-            builder = builder.unk_token(tokens[unk as usize].clone());
-        }
-        let bpe = builder
-            .build()
-            .map_err(|e| anyhow!("building the BPE model from GGUF: {e}"))?;
-
-        let mut inner = Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
         let special: Vec<AddedToken> = tokens
             .iter()
             .zip(&token_types)
@@ -250,24 +281,35 @@ impl TextTokenizer {
                 None => false,
             },
         };
-        let chat_template = match cfg.as_ref().and_then(|c| c.get("chat_template")) {
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            // A list of named templates: take the one called "default", else the first.
-            Some(serde_json::Value::Array(list)) => {
-                let named = |want: Option<&str>| {
-                    list.iter().find_map(|t| {
-                        let name = t.get("name")?.as_str()?;
-                        if want.is_none_or(|w| w == name) {
-                            t.get("template")?.as_str().map(str::to_string)
-                        } else {
-                            None
-                        }
-                    })
-                };
-                named(Some("default")).or_else(|| named(None))
-            }
-            _ => None,
-        };
+        let chat_template =
+            match cfg.as_ref().and_then(|c| c.get("chat_template")) {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                // A list of named templates: take the one called "default", else the first.
+                Some(serde_json::Value::Array(list)) => {
+                    let named = |want: Option<&str>| {
+                        list.iter().find_map(|t| {
+                            let name = t.get("name")?.as_str()?;
+                            if want.is_none_or(|w| w == name) {
+                                t.get("template")?.as_str().map(str::to_string)
+                            } else {
+                                None
+                            }
+                        })
+                    };
+                    named(Some("default")).or_else(|| named(None))
+                }
+                // transformers 5 writes the template beside the tokenizer instead.
+                _ => {
+                    let file = tokenizer_json.with_file_name("chat_template.jinja");
+                    if file.is_file() {
+                        Some(std::fs::read_to_string(&file).with_context(|| {
+                            format!("reading the chat template {}", file.display())
+                        })?)
+                    } else {
+                        None
+                    }
+                }
+            };
         Ok(Self {
             inner,
             bos,

@@ -33,6 +33,14 @@ pub enum Name {
     Gate(usize),
     Up(usize),
     Down(usize),
+    /// Gemma: norm of the attention output before the residual add.
+    PostAttnNorm(usize),
+    /// Gemma: norm of the MLP output before the residual add.
+    PostFfnNorm(usize),
+    /// Phi-3: q, k and v projections in one matrix (rows q, then k, then v).
+    Qkv(usize),
+    /// Phi-3: gate and up projections in one matrix (rows gate, then up).
+    GateUp(usize),
 }
 
 impl Name {
@@ -52,11 +60,35 @@ impl Name {
             Name::Gate(l) => format!("blk.{l}.ffn_gate"),
             Name::Up(l) => format!("blk.{l}.ffn_up"),
             Name::Down(l) => format!("blk.{l}.ffn_down"),
+            Name::PostAttnNorm(l) => format!("blk.{l}.post_attention_norm"),
+            Name::PostFfnNorm(l) => format!("blk.{l}.post_ffw_norm"),
+            Name::Qkv(l) => format!("blk.{l}.attn_qkv"),
+            // llama.cpp keeps Phi-3's fused gate/up under the up projection's name.
+            Name::GateUp(l) => format!("blk.{l}.ffn_up"),
         }
     }
 
-    fn hf(self) -> String {
+    /// Whether this is an RMS-norm weight (Gemma's Hugging Face weights hold `w` for `1 + w`).
+    fn is_norm(self) -> bool {
+        matches!(
+            self,
+            Name::AttnNorm(_)
+                | Name::FfnNorm(_)
+                | Name::OutputNorm
+                | Name::QNorm(_)
+                | Name::KNorm(_)
+                | Name::PostAttnNorm(_)
+                | Name::PostFfnNorm(_)
+        )
+    }
+
+    fn hf(self, arch: Arch) -> String {
         match self {
+            // Gemma's norm before the MLP is its "pre-feedforward" norm; its
+            // post_attention_layernorm normalizes the attention output instead.
+            Name::FfnNorm(l) if arch.is_gemma() => {
+                format!("model.layers.{l}.pre_feedforward_layernorm")
+            }
             Name::Embed => "model.embed_tokens".into(),
             Name::OutputNorm => "model.norm".into(),
             Name::LmHead => "lm_head".into(),
@@ -71,6 +103,10 @@ impl Name {
             Name::Gate(l) => format!("model.layers.{l}.mlp.gate_proj"),
             Name::Up(l) => format!("model.layers.{l}.mlp.up_proj"),
             Name::Down(l) => format!("model.layers.{l}.mlp.down_proj"),
+            Name::PostAttnNorm(l) => format!("model.layers.{l}.post_attention_layernorm"),
+            Name::PostFfnNorm(l) => format!("model.layers.{l}.post_feedforward_layernorm"),
+            Name::Qkv(l) => format!("model.layers.{l}.self_attn.qkv_proj"),
+            Name::GateUp(l) => format!("model.layers.{l}.mlp.gate_up_proj"),
         }
     }
 }
@@ -241,10 +277,17 @@ impl Weights {
                 .content
                 .tensor_infos
                 .contains_key(&format!("{}.weight", name.gguf())),
-            Source::Safetensors(vb) => vb.contains_tensor(&format!("{}.weight", name.hf())),
+            Source::Safetensors(vb) => {
+                vb.contains_tensor(&format!("{}.weight", name.hf(self.cfg.arch)))
+            }
             Source::Dummy => match name {
                 Name::LmHead => !self.cfg.tie_word_embeddings,
                 Name::QNorm(_) | Name::KNorm(_) => self.cfg.qk_norm,
+                Name::PostAttnNorm(_) | Name::PostFfnNorm(_) => self.cfg.arch.is_gemma(),
+                Name::Qkv(_) | Name::GateUp(_) => self.cfg.arch == Arch::Phi3,
+                Name::Q(_) | Name::K(_) | Name::V(_) | Name::Gate(_) | Name::Up(_) => {
+                    self.cfg.arch != Arch::Phi3
+                }
                 _ => true,
             },
         }
@@ -257,17 +300,22 @@ impl Weights {
                 let q = g.qtensor(&format!("{}.weight", name.gguf()), &self.device)?;
                 q.dequantize(&self.device)?.to_dtype(self.dtype)?
             }
-            Source::Safetensors(vb) => vb
-                .get(shape, &format!("{}.weight", name.hf()))
-                .with_context(|| format!("weight {}", name.hf()))?,
-            Source::Dummy => match name {
-                Name::AttnNorm(_)
-                | Name::FfnNorm(_)
-                | Name::OutputNorm
-                | Name::QNorm(_)
-                | Name::KNorm(_) => Tensor::ones(shape, self.dtype, &self.device)?,
-                _ => Tensor::randn(0f32, 0.02, shape, &self.device)?.to_dtype(self.dtype)?,
-            },
+            Source::Safetensors(vb) => {
+                let hf = name.hf(self.cfg.arch);
+                let t = vb
+                    .get(shape, &format!("{hf}.weight"))
+                    .with_context(|| format!("weight {hf}"))?;
+                if self.cfg.arch.is_gemma() && name.is_norm() {
+                    // One norm for every source: GGUF already stores 1 + w.
+                    t.affine(1.0, 1.0)?
+                } else {
+                    t
+                }
+            }
+            Source::Dummy if name.is_norm() => Tensor::ones(shape, self.dtype, &self.device)?,
+            Source::Dummy => {
+                Tensor::randn(0f32, 0.02, shape, &self.device)?.to_dtype(self.dtype)?
+            }
         };
         if t.dims() != shape {
             bail!(
@@ -326,7 +374,7 @@ impl Weights {
                 (w, b)
             }
             Source::Safetensors(vb) => {
-                let base = name.hf();
+                let base = name.hf(self.cfg.arch);
                 let w = vb
                     .get((out_dim, in_dim), &format!("{base}.weight"))
                     .with_context(|| format!("weight {base}.weight"))?;

@@ -16,7 +16,7 @@ pub fn attend_one(
     scale: f64,
 ) -> Result<Tensor> {
     let mask = chunk_mask(q.dim(0)?, k.dim(0)?, start, kstart, window, q.device())?;
-    attend_masked(q, k, v, mask.as_ref(), scale)
+    attend_masked(q, k, v, mask.as_ref(), scale, None)
 }
 
 /// The additive mask `attend_one` needs for `n` queries over `l` keys, if any (one query with
@@ -53,13 +53,14 @@ pub(super) fn chunk_mask(
     visible.where_cond(&zeros, &blocked).map(Some)
 }
 
-/// [`attend_one`] with its mask (`[n, L]`, or none) given.
+/// [`attend_one`] with its mask (`[n, L]`, or none) given, scores soft-capped by `softcap`.
 pub(super) fn attend_masked(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
     scale: f64,
+    softcap: Option<f32>,
 ) -> Result<Tensor> {
     let (n, h, d) = q.dims3()?;
     let (l, kvh, _) = k.dims3()?;
@@ -77,6 +78,10 @@ pub(super) fn attend_masked(
         .matmul(&kt.t()?)?
         .to_dtype(DType::F32)?
         .affine(scale, 0.0)?; // [KVH, G*n, L]
+    let scores = match softcap {
+        Some(c) => ((scores / c as f64)?.tanh()? * c as f64)?,
+        None => scores,
+    };
     let scores = match mask {
         Some(mask) => scores
             .reshape((kvh, g, n, l))?

@@ -29,20 +29,30 @@ pub fn paged_attention(
     batch: &[SeqSlice],
     decode: &[DecodeGroup],
     scale: f64,
+    softcap: Option<f32>,
 ) -> Result<Tensor> {
     let cfg = cache.config();
+    let window = cache.layer_window(layer);
     let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
-    for g in decode {
+    for g in decode.iter().filter(|_| softcap.is_none()) {
         let rot = cache.rotation(layer, g.main);
+        let w = g
+            .starts
+            .iter()
+            .position(|(w, _)| *w == window)
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!("layer {layer}: its window was not planned"))
+            })?;
+        let starts = &g.starts[w].1;
         let qg = match &g.rows {
             Some(rows) => q.index_select(rows, 0)?,
-            None => q.narrow(0, 0, g.starts.dim(0)?)?,
+            None => q.narrow(0, 0, starts.dim(0)?)?,
         };
         let step = decode::StepTables {
             tables: &g.tables,
-            starts: &g.starts,
+            starts,
             lens: &g.lens,
-            host: Some(&g.host),
+            host: g.host.get(w),
         };
         let o = decode::decode_attention_step(
             &qg,
@@ -68,11 +78,17 @@ pub fn paged_attention(
             .gather(layer, s.seq, &s.slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
-        let mask = match s.mask.get() {
-            Some(m) => m.clone(),
+        let known = s
+            .mask
+            .borrow()
+            .iter()
+            .find(|(w, _)| *w == window)
+            .map(|(_, m)| m.clone());
+        let mask = match known {
+            Some(m) => m,
             None => {
-                let m = chunk_mask(s.n, k.dim(0)?, s.start, s.kstart, cfg.window, q.device())?;
-                s.mask.get_or_init(|| m.clone());
+                let m = chunk_mask(s.n, k.dim(0)?, s.start, s.kstart, window, q.device())?;
+                s.mask.borrow_mut().push((window, m.clone()));
                 m
             }
         };
@@ -89,8 +105,9 @@ pub fn paged_attention(
                 &v,
                 mask.as_ref(),
                 scale,
+                softcap,
             )?)?,
-            None => attend_masked(&qs, &k, &v, mask.as_ref(), scale)?,
+            None => attend_masked(&qs, &k, &v, mask.as_ref(), scale, softcap)?,
         };
         outs[i] = Some(o);
     }
@@ -149,7 +166,7 @@ mod rotated_tests {
             }];
             let plan = plan_decode(&cache, &batch, as_decode).unwrap();
             assert_eq!(plan.len(), usize::from(n == 1 || as_decode));
-            let got = paged_attention(&q, &cache, 0, &batch, &plan, scale).unwrap();
+            let got = paged_attention(&q, &cache, 0, &batch, &plan, scale, None).unwrap();
             let want = attend_one(&q, &ku, &vu, start, 0, None, scale).unwrap();
             let exact = (&got - &want).unwrap().abs().unwrap().max_all().unwrap();
             let exact: f32 = exact.to_scalar().unwrap();

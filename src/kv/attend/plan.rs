@@ -3,7 +3,7 @@
 //! together ([`DecodeGroup`], block tables uploaded once and shared by every layer).
 
 use candle_core::{Result, Tensor};
-use std::cell::OnceCell;
+use std::cell::RefCell;
 
 use super::decode::HostTables;
 use crate::kv::cache::{PagedKvCache, SeqId};
@@ -16,13 +16,14 @@ pub struct SeqSlice {
     pub offset: usize,
     pub start: usize,
     pub n: usize,
-    /// First key position any of the new tokens can see (> 0 only with a sliding window).
+    /// First key position any of the new tokens can see in any layer (> 0 only with a
+    /// sliding window on every layer).
     pub kstart: usize,
     /// Cache slots of positions `kstart..start + n` (u32), shared by all layers.
     pub slots: Tensor,
-    /// A prompt chunk's causal mask (`None`: it needs none), built by the first layer that
-    /// attends the chunk by gathering and shared by the others.
-    pub mask: OnceCell<Option<Tensor>>,
+    /// A prompt chunk's causal mask per layer window (`None`: it needs none), built by the
+    /// first layer of that window that attends the chunk by gathering, shared by the others.
+    pub mask: RefCell<Vec<(Option<usize>, Option<Tensor>)>>,
 }
 
 /// Queries that share a pool and go through the fused decode kernel together: every decode
@@ -37,10 +38,12 @@ pub struct DecodeGroup {
     /// order (a decode-only batch: no gather launch per layer).
     pub(super) rows: Option<Tensor>,
     pub(super) tables: Tensor,
-    pub(super) starts: Tensor,
+    /// First visible position of each query, per distinct layer window.
+    pub(super) starts: Vec<(Option<usize>, Tensor)>,
     pub(super) lens: Tensor,
-    /// What `tables`, `starts` and `lens` were made from (CPU and generic paths read these).
-    pub(super) host: HostTables,
+    /// What `tables`, `starts` (one per window, in `starts`' order) and `lens` were made from
+    /// (CPU and generic paths read these).
+    pub(super) host: Vec<HostTables>,
 }
 
 /// Groups the batch's decode tokens (n = 1) by pool for [`paged_attention`](super::paged_attention). With
@@ -57,11 +60,19 @@ pub fn plan_decode(
 ) -> Result<Vec<DecodeGroup>> {
     let err = |e: crate::kv::cache::CacheError| candle_core::Error::Msg(e.to_string());
     let dev = cache.device();
+    let mut windows: Vec<Option<usize>> = Vec::new();
+    for l in 0..cache.config().num_layers {
+        let w = cache.layer_window(l);
+        if !windows.contains(&w) {
+            windows.push(w);
+        }
+    }
     let mut groups = Vec::new();
     for main in [true, false] {
         let mut members = Vec::new();
         let mut tables = Vec::new();
-        let (mut rows, mut starts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut rows, mut lens) = (Vec::new(), Vec::new());
+        let mut starts: Vec<Vec<u32>> = vec![Vec::new(); windows.len()];
         for (i, s) in batch.iter().enumerate() {
             if (s.n == 1 || prefill_as_decode) && cache.in_main_pool(s.seq).map_err(err)? == main {
                 members.push((i, rows.len(), s.n));
@@ -69,7 +80,9 @@ pub fn plan_decode(
                 for t in 0..s.n {
                     let pos = s.start + t;
                     rows.push((s.offset + t) as u32);
-                    starts.push(cache.first_visible(pos) as u32);
+                    for (st, w) in starts.iter_mut().zip(&windows) {
+                        st.push(first_visible(*w, pos) as u32);
+                    }
                     lens.push(pos as u32 + 1);
                     tables.push(table.clone());
                 }
@@ -92,16 +105,28 @@ pub fn plan_decode(
             } else {
                 Some(Tensor::from_vec(rows, q, dev)?)
             },
-            starts: Tensor::new(starts.as_slice(), dev)?,
+            starts: windows
+                .iter()
+                .zip(&starts)
+                .map(|(w, st)| Ok((*w, Tensor::new(st.as_slice(), dev)?)))
+                .collect::<Result<Vec<_>>>()?,
             lens: Tensor::new(lens.as_slice(), dev)?,
             tables: Tensor::new(flat.as_slice(), dev)?.reshape((q, width))?,
             members,
-            host: HostTables {
-                tables: flat,
-                starts,
-                lens,
-            },
+            host: starts
+                .into_iter()
+                .map(|starts| HostTables {
+                    tables: flat.clone(),
+                    starts,
+                    lens: lens.clone(),
+                })
+                .collect(),
         });
     }
     Ok(groups)
+}
+
+/// First position a query at `pos` sees through a window of `window` positions (if any).
+fn first_visible(window: Option<usize>, pos: usize) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }

@@ -70,11 +70,13 @@ impl Default for KvOptions {
 }
 
 /// The model dimensions a cache is shaped by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelShape {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Each layer's own sliding window (`None`: global); empty: no layer has one.
+    pub layer_windows: Vec<Option<usize>>,
 }
 
 /// How many blocks the pools get.
@@ -205,6 +207,7 @@ impl KvOptions {
             num_layers,
             num_kv_heads,
             head_dim,
+            layer_windows,
         } = shape;
         let mut cfg = CacheConfig::dense(
             num_layers,
@@ -248,6 +251,7 @@ impl KvOptions {
             }
         }
         cfg.window = self.max_kv_size;
+        cfg.layer_windows = layer_windows;
         cfg.size_pools(sizing);
         Ok(cfg)
     }
@@ -277,6 +281,9 @@ pub struct CacheConfig {
     pub staging: Option<Staging>,
     /// Sliding window: a query sees at most this many most recent positions (itself included).
     pub window: Option<usize>,
+    /// The model's own sliding window of each layer (`None`: global), before `window` caps
+    /// it; empty: no layer has one.
+    pub layer_windows: Vec<Option<usize>>,
 }
 
 impl CacheConfig {
@@ -298,7 +305,25 @@ impl CacheConfig {
             formats: vec![KvFormat::Dense(dtype); num_layers],
             staging: None,
             window: None,
+            layer_windows: Vec::new(),
         }
+    }
+
+    /// The window `layer` attends through: its own, capped by `--max-kv-size`.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let own = self.layer_windows.get(layer).copied().flatten();
+        match (own, self.window) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The widest window over all layers (`None` when some layer is global): the positions a
+    /// sequence must keep.
+    pub fn kept_window(&self) -> Option<usize> {
+        (0..self.num_layers.max(1))
+            .map(|l| self.layer_window(l))
+            .try_fold(0, |m, w| w.map(|w| m.max(w)))
     }
 
     /// Values in one K (or V) row: all KV heads of one token.
@@ -349,7 +374,7 @@ impl CacheConfig {
     /// `chunk` tokens, can own at once (the sliding window bounds it).
     pub fn max_blocks_for(&self, tokens: usize, chunk: usize) -> usize {
         let all = self.blocks_for(tokens);
-        match self.window {
+        match self.kept_window() {
             Some(w) => all.min(self.blocks_for(w + chunk) + 1),
             None => all,
         }
@@ -366,7 +391,7 @@ impl CacheConfig {
                 chunk,
             } => {
                 let mut blocks = tokens.div_ceil(self.block_size) + max_batch;
-                if self.window.is_some() {
+                if self.kept_window().is_some() {
                     // A window caps what each sequence can hold.
                     blocks = blocks.min(max_batch * self.max_blocks_for(usize::MAX / 2, chunk));
                 }

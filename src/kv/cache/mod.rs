@@ -14,7 +14,11 @@
 //!   write that would bring it to N tokens first moves its history into the main pool
 //!   (quantizing each row exactly as a direct write would) and frees its staging blocks;
 //! - `--max-kv-size W`: blocks whose tokens no future query can see (all positions ≤ len − W)
-//!   go back to the pool, so a sequence holds at most ⌈W / block_size⌉ + 1 blocks.
+//!   go back to the pool, so a sequence holds at most ⌈W / block_size⌉ + 1 blocks;
+//! - per-layer windows (the model's sliding-window layers, [`CacheConfig::layer_windows`]):
+//!   each layer attends through its own window, capped by `--max-kv-size`; blocks go back once
+//!   no layer can see them (while one block table serves all layers, a model with any global
+//!   layer keeps every block).
 
 pub mod config;
 mod export;
@@ -284,9 +288,14 @@ impl PagedKvCache {
         Ok(())
     }
 
-    /// First position a query at `pos` can see.
+    /// The window `layer` attends through (see [`CacheConfig::layer_window`]).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.cfg.layer_window(layer)
+    }
+
+    /// First position a query at `pos` can see in any layer.
     pub fn first_visible(&self, pos: usize) -> usize {
-        match self.cfg.window {
+        match self.cfg.kept_window() {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         }
@@ -389,7 +398,7 @@ impl PagedKvCache {
     /// go of blocks that slid out of the window.
     pub fn advance(&mut self, id: SeqId, n: usize) -> Result<()> {
         let bs = self.cfg.block_size;
-        let window = self.cfg.window;
+        let window = self.cfg.kept_window();
         let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
         if s.len + n > s.blocks.len() * bs {
             return Err(candle_core::Error::Msg(format!(

@@ -98,7 +98,8 @@ fn batched_greedy_equals_alone() {
         config: None,
         tokenizer: None,
         dtype: Some(DTypeArg::F32),
-        dequantize: true,
+        // The CPU default: GGUF blocks through kvq's kernels (batch_logits.rs covers dense).
+        dequantize: false,
         keep_quantized: false,
     };
     let mut m = load(&args, &Device::Cpu).unwrap();

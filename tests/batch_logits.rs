@@ -35,14 +35,24 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 #[test]
-fn batched_rows_equal_single_rows() {
+fn batched_rows_equal_single_rows_dense() {
+    batched_rows_equal_single_rows(true);
+}
+
+/// The CPU default: GGUF blocks multiplied by kvq's kernels.
+#[test]
+fn batched_rows_equal_single_rows_blocks() {
+    batched_rows_equal_single_rows(false);
+}
+
+fn batched_rows_equal_single_rows(dequantize: bool) {
     let args = ModelArgs {
         model: None,
         load_format: LoadFormat::Auto,
         config: None,
         tokenizer: None,
         dtype: Some(kvq::cli::args::DTypeArg::F32),
-        dequantize: true,
+        dequantize,
         keep_quantized: false,
     };
     let mut m = load(&args, &Device::Cpu).unwrap();

@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
-use super::weights::{Linear, Name, Weights};
+use super::weights::{Embedding, Linear, Name, WeightMath, Weights};
 use crate::kv::attention::{paged_attention, plan_decode, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 
@@ -45,7 +45,7 @@ pub enum LogitsFor {
 
 pub struct Llama {
     cfg: ModelConfig,
-    embed: Tensor,
+    embed: Embedding,
     blocks: Vec<Block>,
     norm: Tensor,
     lm_head: Linear,
@@ -63,7 +63,7 @@ impl Llama {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let q_out = cfg.num_heads * hd;
         let kv_out = cfg.num_kv_heads * hd;
-        let embed = w.dense(Name::Embed, &[cfg.vocab_size, h])?;
+        let embed = w.embedding(cfg.vocab_size, h)?;
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let bias = cfg.attention_bias;
@@ -134,14 +134,21 @@ impl Llama {
         self.dtype
     }
 
-    /// Whether any projection runs on quantized weight blocks (else every matmul is dense).
-    pub fn has_quantized_weights(&self) -> bool {
-        self.lm_head.is_quantized()
-            || self.blocks.iter().any(|b| {
-                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]
-                    .iter()
-                    .any(|l| l.is_quantized())
+    /// How the projections are computed: candle's quantized matmul if any projection uses it,
+    /// else kvq's block kernels if any does, else dense.
+    pub fn weight_math(&self) -> WeightMath {
+        let all = std::iter::once(&self.lm_head).chain(
+            self.blocks
+                .iter()
+                .flat_map(|b| [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]),
+        );
+        all.map(Linear::math)
+            .max_by_key(|m| match m {
+                WeightMath::Dense => 0,
+                WeightMath::Blocks => 1,
+                WeightMath::Quantized => 2,
             })
+            .unwrap_or(WeightMath::Dense)
     }
 
     /// Runs the new tokens of `inputs` through the model, appending their K/V to `cache` (space
@@ -199,7 +206,7 @@ impl Llama {
             .iter()
             .map(|s| (s.seq, s.start, s.offset, s.n))
             .collect();
-        let mut x = self.embed.index_select(&ids, 0)?; // [T, hidden]
+        let mut x = self.embed.forward(&ids)?; // [T, hidden]
         for (l, b) in self.blocks.iter().enumerate() {
             let residual = &x;
             let hs = candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?;

@@ -85,10 +85,7 @@ unsafe fn nibbles32<S: Codes>(qs: *const u8, e0: usize) -> S::I {
 #[inline(always)]
 unsafe fn fifth_bits<S: Codes>(qh: *const u8, e0: usize) -> S::I {
     let bits = qh.cast::<u32>().read_unaligned() as i32;
-    S::sll(
-        S::and(S::srlv(S::splat_i(bits), S::iota(e0 as i32)), 1),
-        4,
-    )
+    S::sll(S::and(S::srlv(S::splat_i(bits), S::iota(e0 as i32)), 1), 4)
 }
 
 /// ggml's `get_scale_min_k4`: 6-bit scale and min of group `j` (0..8) of a K block's 12 bytes.

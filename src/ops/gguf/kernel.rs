@@ -65,7 +65,10 @@ pub(crate) fn run<B: Block>(
     y: &mut [f32],
     isa: Isa,
 ) {
-    assert!(k.is_multiple_of(B::ELEMS), "k = {k} is not a whole number of blocks");
+    assert!(
+        k.is_multiple_of(B::ELEMS),
+        "k = {k} is not a whole number of blocks"
+    );
     assert!(x.len() == m * k && w.len() == n * (k / B::ELEMS) * B::BYTES && y.len() == m * n);
     if m == 0 || n == 0 {
         return;

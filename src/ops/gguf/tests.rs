@@ -105,7 +105,11 @@ fn rows_do_not_depend_on_the_batch() {
             let all = run_q(&q, &x, m, isa);
             for i in [0, 3, 18] {
                 let one = run_q(&q, &x[i * k..][..k], 1, isa);
-                assert_eq!(bits(&one), bits(&all[i * n..][..n]), "{ty:?} {isa:?} row {i}");
+                assert_eq!(
+                    bits(&one),
+                    bits(&all[i * n..][..n]),
+                    "{ty:?} {isa:?} row {i}"
+                );
             }
             let (a, b) = (5, 16);
             let part = run_q(&q, &x[a * k..b * k], b - a, isa);
@@ -125,7 +129,13 @@ fn rows_are_candles_dequantized_values() {
         let (n, k) = (9, 3 * ty.block_elems());
         let (q, deq) = quantized(ty, n, k, 9);
         let ids = [4u32, 0, 8, 4];
-        let got: Vec<f32> = q.rows(&ids).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = q
+            .rows(&ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         for (r, &id) in ids.iter().enumerate() {
             let want = &deq[id as usize * k..][..k];
             assert_eq!(bits(&got[r * k..][..k]), bits(want), "{ty:?} row {id}");

@@ -175,16 +175,16 @@ unsafe fn micro<S: Codes, B: Block, const R: usize, const C: usize>(
         while g < B::ELEMS / B::GROUP {
             let mut scale = [S::zero(); C];
             let mut bias = [S::zero(); C];
-            for c in 0..C {
+            for (c, (s, b)) in scale.iter_mut().zip(bias.iter_mut()).enumerate() {
                 let (sc, bi) = B::affine::<S>(w.add(c * row_bytes + blk), g);
-                scale[c] = S::splat(sc);
-                bias[c] = S::splat(bi);
+                *s = S::splat(sc);
+                *b = S::splat(bi);
             }
             let mut e0 = 0;
             while e0 < B::GROUP {
                 let mut wv = [S::zero(); C];
-                for c in 0..C {
-                    wv[c] = widen::<S, B>(w.add(c * row_bytes + blk), g, e0, scale[c], bias[c]);
+                for (c, v) in wv.iter_mut().enumerate() {
+                    *v = widen::<S, B>(w.add(c * row_bytes + blk), g, e0, scale[c], bias[c]);
                 }
                 for (r, row) in acc.iter_mut().enumerate() {
                     let xv = S::load(x.add(r * k + p));

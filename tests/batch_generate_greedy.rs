@@ -94,7 +94,8 @@ fn request(id: Value, prompt: Vec<u32>, max_tokens: usize, eos: &[u32]) -> Batch
 fn batched_greedy_equals_alone() {
     let args = ModelOptions {
         dtype: Some(DType::F32),
-        dequantize: true,
+        // The CPU default: GGUF blocks through kvq's kernels (batch_logits.rs covers dense).
+        dequantize: false,
         ..ModelOptions::default()
     };
     let mut m = load(&args, &Device::Cpu).unwrap();

@@ -35,10 +35,20 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 #[test]
-fn batched_rows_equal_single_rows() {
+fn batched_rows_equal_single_rows_dense() {
+    batched_rows_equal_single_rows(true);
+}
+
+/// The CPU default: GGUF blocks multiplied by kvq's kernels.
+#[test]
+fn batched_rows_equal_single_rows_blocks() {
+    batched_rows_equal_single_rows(false);
+}
+
+fn batched_rows_equal_single_rows(dequantize: bool) {
     let args = ModelOptions {
         dtype: Some(DType::F32),
-        dequantize: true,
+        dequantize,
         ..ModelOptions::default()
     };
     let mut m = load(&args, &Device::Cpu).unwrap();

@@ -11,11 +11,11 @@
 mod common;
 use candle_core::{DType, Device};
 use common::*;
-use kvq::cli::args::{DTypeArg, LoadFormat, ModelArgs};
 use kvq::kv::cache::{CacheConfig, PagedKvCache};
 use kvq::model::chat::Message;
 use kvq::model::llama::{LogitsFor, SeqInput};
 use kvq::model::load::{load, LoadedModel};
+use kvq::model::options::ModelOptions;
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -41,14 +41,10 @@ fn sources(arch: &str) -> [String; 2] {
 }
 
 fn load_f32(model: &str) -> LoadedModel {
-    let args = ModelArgs {
+    let args = ModelOptions {
         model: Some(model.to_string()),
-        load_format: LoadFormat::Auto,
-        config: None,
-        tokenizer: None,
-        dtype: Some(DTypeArg::F32),
-        dequantize: false,
-        keep_quantized: false,
+        dtype: Some(DType::F32),
+        ..ModelOptions::default()
     };
     load(&args, &Device::Cpu).unwrap_or_else(|e| panic!("{model}: {e:#}"))
 }

@@ -125,15 +125,15 @@ pub struct ModelArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
 
-    /// Load GGUF weights as dense --dtype tensors instead of keeping them quantized (exact
-    /// float math, as the transformers references use). On the CPU this is also the default
-    /// for models whose weight types candle has no SIMD kernel for (Q4_1, Q5_0, Q5_1) when the
-    /// dense copy fits in half the available memory: dense matmuls are several times faster.
+    /// Load GGUF weights as dense --dtype tensors instead of keeping them in their blocks (with
+    /// --dtype f32: the exact float math the transformers references use). On the CPU the
+    /// default keeps the blocks and multiplies them with kvq's own kernels, which compute the
+    /// same f32 product (same summation order) at a sixth of the bytes.
     #[arg(long, conflicts_with = "keep_quantized")]
     pub dequantize: bool,
 
-    /// Keep GGUF weights quantized (candle's QMatMul, activations rounded to 8-bit blocks)
-    /// even where the CPU default would dequantize them.
+    /// Multiply GGUF weights with candle's quantized matmul (activations rounded to 8-bit
+    /// blocks, as on GPUs) instead of kvq's exact CPU block kernels.
     #[arg(long)]
     pub keep_quantized: bool,
 }

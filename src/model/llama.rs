@@ -19,7 +19,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::{Arch, ModelConfig};
-use super::weights::{Linear, Name, Weights};
+use super::weights::{Embedding, Linear, Name, WeightMath, Weights};
 use crate::kv::attend::{paged_attention, plan_decode, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 
@@ -84,7 +84,7 @@ pub enum LogitsFor {
 
 pub struct Llama {
     cfg: ModelConfig,
-    embed: Tensor,
+    embed: Embedding,
     blocks: Vec<Block>,
     norm: Tensor,
     lm_head: Linear,
@@ -104,7 +104,7 @@ impl Llama {
         let ff = cfg.intermediate_size;
         let fused = cfg.arch == Arch::Phi3;
         let gemma = cfg.arch.is_gemma();
-        let embed = w.dense(Name::Embed, &[cfg.vocab_size, h])?;
+        let embed = w.embedding(cfg.vocab_size, h)?;
         let mut thetas: Vec<f32> = Vec::new();
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
@@ -213,13 +213,18 @@ impl Llama {
         self.dtype
     }
 
-    /// Whether any projection runs on quantized weight blocks (else every matmul is dense).
-    pub fn has_quantized_weights(&self) -> bool {
-        self.lm_head.is_quantized()
-            || self
-                .blocks
-                .iter()
-                .any(|b| b.linears().iter().any(|l| l.is_quantized()))
+    /// How the projections are computed: candle's quantized matmul if any projection uses it,
+    /// else kvq's block kernels if any does, else dense.
+    pub fn weight_math(&self) -> WeightMath {
+        let all =
+            std::iter::once(&self.lm_head).chain(self.blocks.iter().flat_map(|b| b.linears()));
+        all.map(Linear::math)
+            .max_by_key(|m| match m {
+                WeightMath::Dense => 0,
+                WeightMath::Blocks => 1,
+                WeightMath::Quantized => 2,
+            })
+            .unwrap_or(WeightMath::Dense)
     }
 
     /// Runs the new tokens of `inputs` through the model, appending their K/V to `cache` (space
@@ -285,7 +290,7 @@ impl Llama {
             .iter()
             .map(|s| (s.seq, s.start, s.offset, s.n))
             .collect();
-        let mut x = self.embed.index_select(&ids, 0)?; // [T, hidden]
+        let mut x = self.embed.forward(&ids)?; // [T, hidden]
         if cfg.arch.is_gemma() {
             // √hidden, rounded to the compute dtype as Gemma's reference code does.
             let scale = Tensor::new((cfg.hidden_size as f32).sqrt(), &self.device)?

@@ -17,7 +17,7 @@ use super::hub::{self, HubModel, ModelFiles};
 use super::llama::Llama;
 use super::options::{LoadFormat, ModelOptions};
 use super::tokenizer::TextTokenizer;
-use super::weights::Weights;
+use super::weights::{GgufMath, WeightMath, Weights};
 use crate::kv::cache::prompt_file::ModelIdentity;
 
 pub struct LoadedModel {
@@ -28,9 +28,9 @@ pub struct LoadedModel {
     pub description: String,
     /// Where the weights came from (their fingerprint identifies them in prompt caches).
     pub source: WeightSource,
-    /// Whether the matmuls run on dense weights (safetensors, dummy, `--dequantize`) rather
-    /// than quantized GGUF blocks: the two give slightly different K/V.
-    pub dense_weights: bool,
+    /// How the matmuls are computed (dense weights, kvq's block kernels, candle's quantized
+    /// matmul): each gives slightly different K/V.
+    pub weight_math: WeightMath,
 }
 
 impl LoadedModel {
@@ -52,10 +52,10 @@ impl LoadedModel {
         let c = self.model.config();
         Ok(ModelIdentity {
             fingerprint: self.source.fingerprint()?,
-            weights: if self.dense_weights {
-                "dense"
-            } else {
-                "quantized"
+            weights: match self.weight_math {
+                WeightMath::Dense => "dense",
+                WeightMath::Blocks => "blocks",
+                WeightMath::Quantized => "quantized",
             }
             .into(),
             num_layers: c.num_layers,
@@ -113,14 +113,14 @@ pub fn load(args: &ModelOptions, device: &Device) -> Result<LoadedModel> {
         ),
         None => None,
     };
-    let dense_weights = !model.has_quantized_weights();
+    let weight_math = model.weight_math();
     Ok(LoadedModel {
         model,
         tokenizer,
         chat_template,
         description,
         source,
-        dense_weights,
+        weight_math,
     })
 }
 
@@ -162,9 +162,14 @@ fn load_gguf(
     let cfg = ModelConfig::from_gguf(&content).with_context(|| format!("in {}", path.display()))?;
     let tokenizer = TextTokenizer::from_gguf(&content)
         .with_context(|| format!("tokenizer of {}", path.display()))?;
-    let dense = args.dequantize
-        || (!args.keep_quantized && super::weights::dense_is_better(&content, device, dtype));
-    let mut w = Weights::gguf(path, &cfg, content, device, dtype, dense)?;
+    let math = if args.dequantize {
+        GgufMath::Dense
+    } else if args.keep_quantized || !device.is_cpu() {
+        GgufMath::Candle
+    } else {
+        GgufMath::Blocks
+    };
+    let mut w = Weights::gguf(path, &cfg, content, device, dtype, math)?;
     let model = Llama::load(&cfg, &mut w)?;
     let source = WeightSource::Gguf(path.to_path_buf());
     Ok((model, tokenizer, path.display().to_string(), source))
@@ -242,6 +247,6 @@ fn load_dummy(args: &ModelOptions, device: &Device, dtype: DType) -> Result<Load
             dtype,
             device: device.clone(),
         },
-        dense_weights: true,
+        weight_math: WeightMath::Dense,
     })
 }

@@ -1,6 +1,6 @@
-//! Where the decoder's tensors come from: a GGUF file (kept quantized for candle's QMatMul, or
-//! dequantized with `--dequantize`), safetensors in the compute dtype, or random weights of a
-//! real shape (`--load-format dummy`).
+//! Where the decoder's tensors come from: a GGUF file ([`GgufMath`]: kept in its blocks for
+//! kvq's CPU kernels, for candle's QMatMul, or dequantized with `--dequantize`), safetensors in
+//! the compute dtype, or random weights of a real shape (`--load-format dummy`).
 //!
 //! The decoder asks for tensors by logical name ([`Name`]); each source maps names to its own
 //! naming scheme. GGUF files of the Llama architecture store Q and K rows permuted for
@@ -12,8 +12,10 @@ use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::config::{Arch, ModelConfig};
+use crate::ops::gguf::QMatrix;
 use crate::ops::row_matmul;
 
 /// A decoder tensor, by role.
@@ -111,27 +113,70 @@ impl Name {
     }
 }
 
+/// How a GGUF model's matmuls are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufMath {
+    /// Weights dequantized to dense `--dtype` tensors (`--dequantize`).
+    Dense,
+    /// Weights kept in their blocks, multiplied by kvq's CPU kernels ([`crate::ops::gguf`]):
+    /// the dense f32 product of the dequantized weights (the CPU default).
+    Blocks,
+    /// candle's QMatMul (activations rounded to 8-bit blocks; `--keep-quantized`, and GPUs).
+    Candle,
+}
+
+/// What a projection's matmul computes (its K/V differ from the others').
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightMath {
+    /// Dense weights (safetensors, dummy, `--dequantize`).
+    Dense,
+    /// GGUF blocks through kvq's kernels.
+    Blocks,
+    /// GGUF blocks through candle's QMatMul.
+    Quantized,
+}
+
+#[derive(Debug, Clone)]
+enum Weight {
+    Candle(QMatMul),
+    Blocks(Arc<QMatrix>),
+}
+
 /// A projection `y = x Wᵀ (+ b)`; W quantized (GGUF) or dense.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    w: QMatMul,
+    w: Weight,
     b: Option<Tensor>,
 }
 
 impl Linear {
-    /// Whether the weight stays in a quantized GGUF block type (candle's QMatMul).
-    pub fn is_quantized(&self) -> bool {
-        matches!(self.w, QMatMul::QTensor(_))
+    fn candle(w: QMatMul, b: Option<Tensor>) -> Self {
+        Self {
+            w: Weight::Candle(w),
+            b,
+        }
+    }
+
+    /// How the weight is multiplied.
+    pub fn math(&self) -> WeightMath {
+        match &self.w {
+            Weight::Candle(QMatMul::QTensor(_)) => WeightMath::Quantized,
+            Weight::Candle(_) => WeightMath::Dense,
+            Weight::Blocks(_) => WeightMath::Blocks,
+        }
     }
 
     /// `x`: [T, in] → [T, out]. Dense weights on the CPU (f32, f16, bf16) go through
-    /// [`row_matmul`](crate::ops::row_matmul), so each output row depends only on its own input
-    /// row, however many rows share the call (batch invariance; it is also faster than candle's
-    /// gemm at these shapes).
+    /// [`row_matmul`](crate::ops::row_matmul), GGUF blocks through [`crate::ops::gguf`] (same
+    /// summation order), so each output row depends only on its own input row, however many rows
+    /// share the call (batch invariance; it is also faster than candle's gemm at these shapes).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.w {
-            QMatMul::Tensor(w) if row_matmul::supports(x, w) => row_matmul::matmul_t(x, w)?,
-            w => w.forward(x)?,
+            Weight::Blocks(m) => m.matmul_t(x)?,
+            Weight::Candle(QMatMul::Tensor(w)) if row_matmul::supports(x, w) => {
+                row_matmul::matmul_t(x, w)?
+            }
+            Weight::Candle(w) => w.forward(x)?,
         };
         match &self.b {
             Some(b) => y.broadcast_add(b),
@@ -144,7 +189,7 @@ struct GgufSource {
     path: PathBuf,
     file: std::fs::File,
     content: gguf_file::Content,
-    dequantize: bool,
+    math: GgufMath,
     /// Undo llama.cpp's Q/K row permutation (Llama-architecture GGUF only).
     unpermute_qk: bool,
 }
@@ -153,36 +198,6 @@ enum Source {
     Gguf(Box<GgufSource>),
     Safetensors(candle_nn::VarBuilder<'static>),
     Dummy,
-}
-
-/// Whether a GGUF model should run on dense weights by default: on the CPU, candle multiplies
-/// Q4_1, Q5_0 and Q5_1 blocks with scalar code (no SIMD kernel), several times slower than a
-/// dense f32 matmul of the same layer; for such a model, and when the dense copy takes at most
-/// half the available memory, dense wins on speed and is exact (no 8-bit activation rounding).
-pub fn dense_is_better(content: &gguf_file::Content, device: &Device, dtype: DType) -> bool {
-    if !device.is_cpu() {
-        return false;
-    }
-    let scalar_only =
-        |t: GgmlDType| matches!(t, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
-    if !content
-        .tensor_infos
-        .values()
-        .any(|i| scalar_only(i.ggml_dtype))
-    {
-        return false;
-    }
-    let dense_bytes: usize = content
-        .tensor_infos
-        .values()
-        .map(|i| i.shape.elem_count() * dtype.size_in_bytes())
-        .sum();
-    dense_bytes <= available_memory() / 2
-}
-
-/// Memory the OS can give us now (4 GiB where it cannot be read).
-fn available_memory() -> usize {
-    crate::device::available_memory().map_or(4 << 30, |b| b as usize)
 }
 
 /// Loads decoder tensors on one device in one compute dtype.
@@ -202,7 +217,7 @@ impl Weights {
         content: gguf_file::Content,
         device: &Device,
         dtype: DType,
-        dequantize: bool,
+        math: GgufMath,
     ) -> Result<Self> {
         let file = std::fs::File::open(path)
             .with_context(|| format!("cannot open model file {}", path.display()))?;
@@ -223,7 +238,7 @@ impl Weights {
             path: path.to_path_buf(),
             file,
             content,
-            dequantize,
+            math,
             unpermute_qk: cfg.arch == Arch::Llama || cfg.arch == Arch::Mistral,
         };
         Ok(Self {
@@ -360,10 +375,14 @@ impl Weights {
                         q.shape().dims()
                     );
                 }
-                let w = if g.dequantize || is_float(q.dtype()) {
-                    QMatMul::Tensor(q.dequantize(&self.device)?.to_dtype(self.dtype)?)
+                let w = if g.math == GgufMath::Dense || is_float(q.dtype()) {
+                    Weight::Candle(QMatMul::Tensor(
+                        q.dequantize(&self.device)?.to_dtype(self.dtype)?,
+                    ))
+                } else if g.math == GgufMath::Blocks && QMatrix::supports(&q) {
+                    Weight::Blocks(Arc::new(QMatrix::new(Arc::new(q))?))
                 } else {
-                    QMatMul::from_qtensor(q)?
+                    Weight::Candle(QMatMul::from_qtensor(q)?)
                 };
                 let b = if bias {
                     let bq = g.qtensor(&format!("{base}.bias"), &self.device)?;
@@ -386,7 +405,7 @@ impl Weights {
                 } else {
                     None
                 };
-                (QMatMul::Tensor(w), b)
+                (Weight::Candle(QMatMul::Tensor(w)), b)
             }
             Source::Dummy => {
                 let w = Tensor::randn(0f32, 0.02, (out_dim, in_dim), &self.device)?
@@ -396,32 +415,79 @@ impl Weights {
                 } else {
                     None
                 };
-                (QMatMul::Tensor(w), b)
+                (Weight::Candle(QMatMul::Tensor(w)), b)
             }
         };
         Ok(Linear { w, b })
     }
 
-    /// The output projection: `lm_head`, or the token embeddings when they are tied. For GGUF the
-    /// embedding matrix stays quantized here too.
-    pub fn lm_head(&mut self, vocab: usize, hidden: usize, embed: &Tensor) -> Result<Linear> {
-        if self.has(Name::LmHead) {
-            return self.linear(Name::LmHead, hidden, vocab, false);
-        }
+    /// The token embeddings `[vocab, hidden]`: kept in their GGUF blocks where the model's
+    /// matmuls are ([`GgufMath::Blocks`]; rows are dequantized as they are looked up), else
+    /// dense in the compute dtype.
+    pub fn embedding(&mut self, vocab: usize, hidden: usize) -> Result<Embedding> {
         if let Source::Gguf(g) = &mut self.source {
-            if !g.dequantize {
+            if g.math == GgufMath::Blocks && self.device.is_cpu() {
                 let q = g.qtensor("token_embd.weight", &self.device)?;
-                if !is_float(q.dtype()) {
-                    return Ok(Linear {
-                        w: QMatMul::from_qtensor(q)?,
-                        b: None,
-                    });
+                if QMatrix::supports(&q) {
+                    let m = Arc::new(QMatrix::new(Arc::new(q))?);
+                    if m.dims() != (vocab, hidden) {
+                        bail!(
+                            "tensor token_embd.weight has shape {:?}, the config expects [{vocab}, {hidden}]",
+                            m.dims()
+                        );
+                    }
+                    return Ok(Embedding::Blocks(m, self.dtype));
                 }
             }
         }
-        Ok(Linear {
-            w: QMatMul::Tensor(embed.clone()),
-            b: None,
+        Ok(Embedding::Dense(self.dense(Name::Embed, &[vocab, hidden])?))
+    }
+
+    /// The output projection: `lm_head`, or the token embeddings when they are tied. For GGUF the
+    /// embedding matrix stays quantized here too (the same blocks as the lookup's, where those
+    /// are kept in blocks).
+    pub fn lm_head(&mut self, vocab: usize, hidden: usize, embed: &Embedding) -> Result<Linear> {
+        if self.has(Name::LmHead) {
+            return self.linear(Name::LmHead, hidden, vocab, false);
+        }
+        let dense = match embed {
+            Embedding::Blocks(m, _) => {
+                return Ok(Linear {
+                    w: Weight::Blocks(m.clone()),
+                    b: None,
+                })
+            }
+            Embedding::Dense(t) => t,
+        };
+        if let Source::Gguf(g) = &mut self.source {
+            if g.math == GgufMath::Candle {
+                let q = g.qtensor("token_embd.weight", &self.device)?;
+                if !is_float(q.dtype()) {
+                    return Ok(Linear::candle(QMatMul::from_qtensor(q)?, None));
+                }
+            }
+        }
+        Ok(Linear::candle(QMatMul::Tensor(dense.clone()), None))
+    }
+}
+
+/// The token-embedding table.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    Dense(Tensor),
+    /// GGUF blocks (CPU), looked-up rows widened to f32 then cast to this dtype.
+    Blocks(Arc<QMatrix>, DType),
+}
+
+impl Embedding {
+    /// Rows `ids` (`[T]` u32) → `[T, hidden]`.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Embedding::Dense(t) => t.index_select(ids, 0)?,
+            Embedding::Blocks(m, dtype) => {
+                let ids: Vec<u32> = ids.to_vec1()?;
+                m.rows(&ids)?.to_dtype(*dtype)?
+            }
         })
     }
 }

@@ -1,3 +1,4 @@
 //! CPU kernels shared by the model and the KV cache.
 
+pub mod gguf;
 pub mod row_matmul;

@@ -101,7 +101,15 @@ impl OutPtr {
 }
 
 /// `y = x·Wᵀ` on slices: `x` `[m, k]`, `w` `[n, k]`, `y` `[m, n]`, row-major.
-fn run<T: Elem>(x: &[f32], w: &[T], m: usize, n: usize, k: usize, y: &mut [f32], isa: Isa) {
+pub(crate) fn run<T: Elem>(
+    x: &[f32],
+    w: &[T],
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+    isa: Isa,
+) {
     assert!(x.len() == m * k && w.len() == n * k && y.len() == m * n);
     if m == 0 || n == 0 {
         return;

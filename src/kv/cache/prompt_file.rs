@@ -12,7 +12,8 @@
 //! - `kvq.prompt_cache`: format version ([`VERSION`]);
 //! - `kvq.fingerprint`: the weights' fingerprint (`crate::model::fingerprint`); `kvq.model`
 //!   names what was loaded (messages only);
-//! - `kvq.weights`: `quantized` (GGUF kept quantized) or `dense`: the two compute K/V differently;
+//! - `kvq.weights`: `dense`, `blocks` (GGUF blocks, kvq's CPU kernels) or `quantized` (candle's
+//!   quantized matmul): each computes K/V differently;
 //! - `kvq.shape`: `layers,kv_heads,head_dim`;
 //! - `kvq.layers`: each layer's stored format (`dense:f32`, `affine:4:64:f16`, comma-separated);
 //! - `kvq.tokens`: the token ids (a JSON array), one per row.
@@ -53,7 +54,7 @@ pub struct PromptCacheMeta {
     pub fingerprint: String,
     /// A human-readable name of the model (not checked).
     pub model: String,
-    /// `quantized` or `dense` weights (see the module doc).
+    /// `dense`, `blocks` or `quantized` weights (see the module doc).
     pub weights: String,
     pub num_layers: usize,
     pub num_kv_heads: usize,

@@ -145,7 +145,7 @@ pub fn dense_is_better(content: &gguf_file::Content, device: &Device, dtype: DTy
 }
 
 /// Memory the OS can give us now (Linux `MemAvailable`; 4 GiB where it cannot be read).
-fn available_memory() -> usize {
+pub fn available_memory() -> usize {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|m| {

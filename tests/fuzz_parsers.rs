@@ -242,7 +242,10 @@ fn fuzz_batch_input_and_output_lines() {
         let (text, bad) = decode_input(&b);
         // Line numbers hold: one text line per input line.
         let body = b.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&b);
-        assert_eq!(text.split('\n').count(), body.split(|&c| c == b'\n').count());
+        assert_eq!(
+            text.split('\n').count(),
+            body.split(|&c| c == b'\n').count()
+        );
         let parsed = parse_input(&text, InputFormat::Auto);
         t.accepted += parsed.iter().filter(|r| r.is_ok()).count().min(1);
         for e in bad {

@@ -69,7 +69,10 @@ fn save_prompt_cache_never_replaces_the_model_a_device_or_an_existing_file() {
     let link = dir.path().join("link.safetensors");
     std::os::unix::fs::symlink(&model, &link).unwrap();
     assert_fails_with(&gen(&link, true), "link to model", "is the model file");
-    assert!(std::fs::read(&model).unwrap() == before, "the model changed");
+    assert!(
+        std::fs::read(&model).unwrap() == before,
+        "the model changed"
+    );
     // A device.
     assert_fails_with(
         &gen(Path::new("/dev/null"), true),
@@ -83,7 +86,10 @@ fn save_prompt_cache_never_replaces_the_model_a_device_or_an_existing_file() {
     assert_eq!(std::fs::read_to_string(&other).unwrap(), "my notes\n");
     let o = gen(&other, true);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert_ne!(std::fs::read_to_string(&other).ok().as_deref(), Some("my notes\n"));
+    assert_ne!(
+        std::fs::read_to_string(&other).ok().as_deref(),
+        Some("my notes\n")
+    );
     // A symlink to a cache: the target is rewritten, the link stays a link.
     let target = dir.path().join("target.safetensors");
     std::fs::copy(&other, &target).unwrap();
@@ -179,7 +185,14 @@ fn error_records_never_shadow_a_valid_id() {
     .unwrap();
     let out = dir.path().join("out.jsonl");
     let run = |extra: &str| {
-        let mut a = vec!["batch-generate", s(&input), "-o", s(&out), "--skip-invalid", extra];
+        let mut a = vec![
+            "batch-generate",
+            s(&input),
+            "-o",
+            s(&out),
+            "--skip-invalid",
+            extra,
+        ];
         a.extend(QUICK);
         kvq(&a)
     };
@@ -209,7 +222,11 @@ fn error_records_never_shadow_a_valid_id() {
         .collect();
     done.sort();
     assert_eq!(done, ["\"a\"", "3"], "{recs:?}");
-    assert_eq!(recs.len(), 4, "the error records are not written twice: {recs:?}");
+    assert_eq!(
+        recs.len(),
+        4,
+        "the error records are not written twice: {recs:?}"
+    );
 }
 
 #[test]
@@ -218,7 +235,11 @@ fn a_second_run_on_a_locked_output_is_refused() {
     let input = dir.path().join("in.txt");
     std::fs::write(&input, "Count from one to a hundred:\n".repeat(4)).unwrap();
     let out = dir.path().join("out.jsonl");
-    std::fs::write(&out, "{\"id\":1,\"text\":\"old\",\"finish_reason\":\"stop\"}\n").unwrap();
+    std::fs::write(
+        &out,
+        "{\"id\":1,\"text\":\"old\",\"finish_reason\":\"stop\"}\n",
+    )
+    .unwrap();
     let mut first = Command::new(env!("CARGO_BIN_EXE_kvq"))
         .args(["batch-generate", s(&input), "-o", s(&out), "--force"])
         .args(["--raw", "--max-tokens", "400", "--no-progress"])
@@ -238,7 +259,10 @@ fn a_second_run_on_a_locked_output_is_refused() {
     let still_running = first.try_wait().unwrap().is_none();
     first.kill().ok();
     first.wait().unwrap();
-    assert!(still_running, "the first run ended too soon to test the lock");
+    assert!(
+        still_running,
+        "the first run ended too soon to test the lock"
+    );
     assert_fails_with(&second, "locked", "being written by another kvq run");
 }
 
@@ -301,7 +325,10 @@ fn prompt_cache_under_a_window_gives_the_windowed_output() {
     let longer = format!("{LONG_PROMPT} any scribe could copy them by hand.");
     let window = ["--max-kv-size", "16"];
     let plain = greedy_tokens(&longer, &window);
-    let cached = greedy_tokens(&longer, &[&window[..], &["--prompt-cache", s(&cache)]].concat());
+    let cached = greedy_tokens(
+        &longer,
+        &[&window[..], &["--prompt-cache", s(&cache)]].concat(),
+    );
     assert_eq!(plain, cached);
 }
 
@@ -309,7 +336,14 @@ fn prompt_cache_under_a_window_gives_the_windowed_output() {
 fn kv_memory_counts_the_staging_pool_and_must_hold_a_request() {
     let dir = tempfile::tempdir().unwrap();
     let input = two_prompts(dir.path());
-    let base = ["batch-generate", s(&input), "--raw", "--max-tokens", "2", "--no-progress"];
+    let base = [
+        "batch-generate",
+        s(&input),
+        "--raw",
+        "--max-tokens",
+        "2",
+        "--no-progress",
+    ];
     // 8 sequences x 33 staging blocks x 16 tokens of dense f32 rows alone exceed 64 MiB.
     fails_with(
         &[
@@ -366,7 +400,10 @@ fn a_bom_and_a_bad_byte_are_handled_per_line() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(recs.len(), 3);
-    let bad: Vec<&Value> = recs.iter().filter(|r| r["finish_reason"] == "error").collect();
+    let bad: Vec<&Value> = recs
+        .iter()
+        .filter(|r| r["finish_reason"] == "error")
+        .collect();
     assert_eq!(bad.len(), 1);
     assert_eq!(bad[0]["line"], 2);
 }

@@ -105,12 +105,34 @@ impl BenchConfig {
     /// Refuses shapes whose tensors (K and V of every layer, and the attention pools) need more
     /// than `available` bytes, or whose sizes overflow: before anything is allocated.
     fn check_memory(&self, available: usize) -> Result<()> {
-        let longest = self.seq_lens.iter().copied().max().unwrap_or(0).max(self.seq_len);
+        let longest = self
+            .seq_lens
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(self.seq_len);
         let mul = |xs: &[usize]| xs.iter().try_fold(1usize, |a, &x| a.checked_mul(x));
         let size = self.dtype.size_in_bytes();
-        let tensors = mul(&[2, self.layers, self.batch, self.heads, self.seq_len, self.head_dim, size]);
+        let tensors = mul(&[
+            2,
+            self.layers,
+            self.batch,
+            self.heads,
+            self.seq_len,
+            self.head_dim,
+            size,
+        ]);
         let kv_heads = self.heads.div_ceil(self.gqa);
-        let pools = mul(&[2, self.attn_layers, self.batch, longest, kv_heads, self.head_dim, 4]);
+        let pools = mul(&[
+            2,
+            self.attn_layers,
+            self.batch,
+            longest,
+            kv_heads,
+            self.head_dim,
+            4,
+        ]);
         let need = tensors.zip(pools).and_then(|(a, b)| a.checked_add(b));
         match need {
             Some(n) if n <= available => Ok(()),

@@ -209,7 +209,10 @@ impl SamplingArgs {
             bail!("--min-p must be in [0, 1), 0 = off (got {})", self.min_p);
         }
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            bail!("--temp must be a number ≥ 0, 0 = greedy (got {})", self.temperature);
+            bail!(
+                "--temp must be a number ≥ 0, 0 = greedy (got {})",
+                self.temperature
+            );
         }
         self.params().validate()
     }

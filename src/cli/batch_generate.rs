@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use super::output_file::open_batch_output;
 use super::prompt_cache::CacheFiles;
 use crate::engine::batch::{Batch, BatchOutcome, BatchRequest};
-use super::output_file::open_batch_output;
 use crate::engine::batch_io::{
     decode_input, id_key, line_key, parse_bytes, parse_input, InputFormat, InputRecord,
     InvalidLine, PromptSpec, Sink,
@@ -114,7 +114,10 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     let valid_ids: std::collections::HashSet<String> =
         records.iter().map(|r| id_key(&r.id)).collect();
     for e in &mut invalid {
-        if e.id.as_ref().is_some_and(|id| valid_ids.contains(&id_key(id))) {
+        if e.id
+            .as_ref()
+            .is_some_and(|id| valid_ids.contains(&id_key(id)))
+        {
             e.id = None;
         }
     }
@@ -338,7 +341,10 @@ fn budget_blocks(
         if bytes < need {
             let staged = match staging {
                 0 => String::new(),
-                s => format!(" plus {} of dense staging for --quantized-kv-start", fmt_bytes(s)),
+                s => format!(
+                    " plus {} of dense staging for --quantized-kv-start",
+                    fmt_bytes(s)
+                ),
             };
             bail!(
                 "--kv-memory {} cannot hold the longest request ({longest} tokens: {one} blocks of \

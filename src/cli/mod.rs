@@ -4,8 +4,8 @@ pub mod args;
 pub mod batch_generate;
 pub mod bench_kv_cache;
 pub mod generate;
-pub mod perplexity;
 pub mod output_file;
+pub mod perplexity;
 pub mod prompt_cache;
 
 /// An error as one line: each cause of the chain (first line only, so backtraces that candle

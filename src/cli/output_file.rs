@@ -12,7 +12,12 @@
 
 // Data here comes from files and the command line: no unwrap, expect or indexing that could
 // panic on it (issue 21; clippy enforces it in CI).
-#![warn(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use anyhow::{bail, Context, Result};
 use std::collections::HashSet;
@@ -274,7 +279,12 @@ fn rewrite_locked(target: &Path, lines: &[String]) -> Result<File> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 
@@ -283,7 +293,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("out.jsonl");
         let first = open_batch_output(&p, false, false).unwrap();
-        let e = open_batch_output(&p, true, false).err().unwrap().to_string();
+        let e = open_batch_output(&p, true, false)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("another kvq run"), "{e}");
         drop(first);
         assert!(open_batch_output(&p, true, false).is_ok());

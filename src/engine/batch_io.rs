@@ -8,7 +8,12 @@
 
 // Data here comes from files and the command line: no unwrap, expect or indexing that could
 // panic on it (issue 21; clippy enforces it in CI).
-#![warn(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -401,7 +406,12 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 
@@ -453,10 +463,17 @@ mod tests {
         let st = read_resume(text).unwrap();
         assert_eq!(st.keep.len(), 2);
         assert!(st.done.contains("\"a\"") && st.done.contains(&line_key(4)));
-        assert!(!st.done.contains("3"), "an error record claims its line, not its id");
+        assert!(
+            !st.done.contains("3"),
+            "an error record claims its line, not its id"
+        );
         assert!(!st.done.contains("\"b\""));
         assert_eq!((st.cancelled, st.torn, st.rewrite), (1, Some(4), true));
-        assert!(!read_resume("{\"id\":1,\"finish_reason\":\"stop\"}\n").unwrap().rewrite);
+        assert!(
+            !read_resume("{\"id\":1,\"finish_reason\":\"stop\"}\n")
+                .unwrap()
+                .rewrite
+        );
     }
 
     #[test]

@@ -21,7 +21,12 @@
 
 // Data here comes from files and the command line: no unwrap, expect or indexing that could
 // panic on it (issue 21; clippy enforces it in CI).
-#![warn(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
@@ -599,7 +604,12 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
     use crate::kv::cache::{CacheConfig, PagedKvCache};

@@ -5,7 +5,12 @@
 
 // Data here comes from files and the command line: no unwrap, expect or indexing that could
 // panic on it (issue 21; clippy enforces it in CI).
-#![warn(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;

@@ -8,7 +8,12 @@
 
 // Data here comes from files and the command line: no unwrap, expect or indexing that could
 // panic on it (issue 21; clippy enforces it in CI).
-#![warn(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::io::Read;
 
@@ -170,7 +175,9 @@ pub fn check_header(r: impl Read, len: u64) -> Result<u64, HeaderError> {
         let name = String::from_utf8_lossy(&name).into_owned();
         let dims = w.u32()?;
         if dims == 0 || dims > MAX_DIMS {
-            return w.fail(format!("tensor {name} has {dims} dimensions (1 to 4 allowed)"));
+            return w.fail(format!(
+                "tensor {name} has {dims} dimensions (1 to 4 allowed)"
+            ));
         }
         let mut elems: u64 = 1;
         for _ in 0..dims {
@@ -202,7 +209,12 @@ pub fn check_file(path: &std::path::Path) -> std::io::Result<Result<u64, HeaderE
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 
@@ -253,7 +265,10 @@ mod tests {
         let mut b = header(0, 1);
         b.extend((u32::MAX as u64).to_le_bytes());
         let e = check(&b).unwrap_err();
-        assert!(e.what.contains("metadata key claims 4294967295 bytes"), "{e}");
+        assert!(
+            e.what.contains("metadata key claims 4294967295 bytes"),
+            "{e}"
+        );
         let mut b = header(0, 1);
         s(&mut b, "k");
         b.extend(9u32.to_le_bytes());

@@ -27,3 +27,8 @@ pub fn available_memory() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// [`available_memory`], or 4 GiB where it cannot be read.
+pub fn available_memory_bytes() -> usize {
+    available_memory().map_or(4 << 30, |b| b as usize)
+}

@@ -4,21 +4,6 @@ mod common;
 use common::*;
 use std::io::Write;
 
-/// Runs kvq, expects failure with exit 1 and a single `error:` line containing `needle`.
-fn fails_with(args: &[&str], needle: &str) {
-    let out = kvq(args);
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "args {args:?}: stderr {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    let last = lines.last().copied().unwrap_or_default();
-    assert!(last.starts_with("error: "), "args {args:?}: {err}");
-    assert!(!err.contains("panicked"), "args {args:?}: {err}");
-    assert!(
-        last.contains(needle),
-        "args {args:?}: want '{needle}' in: {last}"
-    );
-}
-
 /// A minimal GGUF v3 file: metadata key/strings and one 2-D tensor of raw type `ggml_type`.
 fn tiny_gguf(arch: &str, ggml_type: u32) -> Vec<u8> {
     fn s(out: &mut Vec<u8>, x: &str) {

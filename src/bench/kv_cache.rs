@@ -80,6 +80,7 @@ impl BenchConfig {
         if self.seq_lens.contains(&0) {
             bail!("--seq-len entries must be at least 1");
         }
+        self.check_memory(crate::device::available_memory_bytes())?;
         if !matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
             bail!("--dtype must be f16, bf16 or f32");
         }
@@ -99,6 +100,55 @@ impl BenchConfig {
             Rotation::check(self.head_dim).map_err(|e| anyhow::anyhow!("--rotated: {e}"))?;
         }
         Ok(fmts)
+    }
+
+    /// Refuses shapes whose tensors (K and V of every layer, and the attention pools) need more
+    /// than `available` bytes, or whose sizes overflow: before anything is allocated.
+    fn check_memory(&self, available: usize) -> Result<()> {
+        let longest = self
+            .seq_lens
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(self.seq_len);
+        let mul = |xs: &[usize]| xs.iter().try_fold(1usize, |a, &x| a.checked_mul(x));
+        let size = self.dtype.size_in_bytes();
+        let tensors = mul(&[
+            2,
+            self.layers,
+            self.batch,
+            self.heads,
+            self.seq_len,
+            self.head_dim,
+            size,
+        ]);
+        let kv_heads = self.heads.div_ceil(self.gqa);
+        let pools = mul(&[
+            2,
+            self.attn_layers,
+            self.batch,
+            longest,
+            kv_heads,
+            self.head_dim,
+            4,
+        ]);
+        let need = tensors.zip(pools).and_then(|(a, b)| a.checked_add(b));
+        match need {
+            Some(n) if n <= available => Ok(()),
+            _ => bail!(
+                "these shapes need {} of memory (2 x --layers {} x --batch {} x --heads {} x \
+                 --seq-len {} x --head-dim {}, plus the attention pools), more than the {} \
+                 available now: lower them",
+                need.map_or("more than 16 EiB".into(), crate::engine::stats::fmt_bytes),
+                self.layers,
+                self.batch,
+                self.heads,
+                self.seq_len,
+                self.head_dim,
+                crate::engine::stats::fmt_bytes(available)
+            ),
+        }
     }
 
     /// Values in K (or V) of one layer.

@@ -82,9 +82,9 @@ pub fn evaluate(
     if settings.is_empty() {
         bail!("no KV setting to evaluate");
     }
-    if opts.ctx < 2 || opts.chunk == 0 {
+    if opts.ctx < 3 || opts.chunk == 0 {
         bail!(
-            "a window needs at least 2 tokens and a chunk at least 1 (got {} and {})",
+            "a window needs at least 3 tokens and a chunk at least 1 (got {} and {})",
             opts.ctx,
             opts.chunk
         );

@@ -202,7 +202,31 @@ pub struct SamplingArgs {
     pub stop: Vec<String>,
 }
 
+/// Refuses a --top-p outside (0, 1] (1 = off), NaN included.
+pub fn check_top_p(p: f64, name: &str) -> Result<()> {
+    if !(p > 0.0 && p <= 1.0) {
+        bail!("{name} must be in (0, 1], 1 = off (got {p})");
+    }
+    Ok(())
+}
+
 impl SamplingArgs {
+    /// Checks every value as given (before `params` maps the "off" values away), then the
+    /// parameters themselves.
+    pub fn validate(&self) -> Result<()> {
+        check_top_p(self.top_p, "--top-p")?;
+        if !(0.0..1.0).contains(&self.min_p) {
+            bail!("--min-p must be in [0, 1), 0 = off (got {})", self.min_p);
+        }
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            bail!(
+                "--temp must be a number ≥ 0, 0 = greedy (got {})",
+                self.temperature
+            );
+        }
+        self.params().validate()
+    }
+
     pub fn params(&self) -> crate::engine::sampler::SamplingParams {
         crate::engine::sampler::SamplingParams {
             temperature: self.temperature,
@@ -297,4 +321,46 @@ impl KvArgs {
             scheme: self.kv_quant_scheme.map(QuantSchemeArg::scheme),
         }
     }
+}
+
+/// Bytes of the dense staging pool (`--quantized-kv-start`), overflow-checked.
+pub fn staging_bytes(cfg: &crate::kv::cache::CacheConfig) -> Result<usize> {
+    let Some(s) = &cfg.staging else {
+        return Ok(0);
+    };
+    s.num_blocks
+        .checked_mul(cfg.block_size)
+        .and_then(|t| t.checked_mul(cfg.staging_bytes_per_token()))
+        .with_context(|| format!("--quantized-kv-start {} is too large", s.tokens))
+}
+
+/// Refuses a CPU cache larger than the memory the OS can give now, before anything is
+/// allocated (an allocation that fails aborts the process instead of reporting).
+pub fn check_cache_memory(cfg: &crate::kv::cache::CacheConfig, device: &Device) -> Result<()> {
+    let main = cfg
+        .num_blocks
+        .checked_mul(cfg.bytes_per_block())
+        .context("the KV cache size overflows")?;
+    let staging = staging_bytes(cfg)?;
+    let total = main.saturating_add(staging);
+    let available = crate::device::available_memory_bytes();
+    if device.is_cpu() && total > available {
+        use crate::engine::stats::fmt_bytes;
+        let staged = match (&cfg.staging, staging) {
+            (Some(s), b) if b > 0 => format!(
+                " and {} of dense staging for --quantized-kv-start {}",
+                fmt_bytes(b),
+                s.tokens
+            ),
+            _ => String::new(),
+        };
+        bail!(
+            "the KV cache needs {} ({} of blocks{staged}), more than the {} of memory available \
+             now; lower --kv-memory, --max-batch, --max-tokens or --quantized-kv-start",
+            fmt_bytes(total),
+            fmt_bytes(main),
+            fmt_bytes(available)
+        );
+    }
+    Ok(())
 }

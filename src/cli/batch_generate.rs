@@ -7,17 +7,18 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use indicatif::ProgressBar;
 use serde_json::{json, Value};
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use super::output_file::open_batch_output;
 use super::prompt_cache::CacheFiles;
 use crate::engine::batch::{Batch, BatchOutcome, BatchRequest};
 use crate::engine::batch_io::{
-    id_key, parse_bytes, parse_input, read_resume, InputFormat, InputRecord, InvalidLine,
-    PromptSpec, Sink,
+    decode_input, id_key, line_key, parse_bytes, parse_input, InputFormat, InputRecord,
+    InvalidLine, PromptSpec, Sink,
 };
 use crate::engine::request::Request;
 use crate::engine::scheduler::{Engine, EngineConfig};
@@ -99,9 +100,9 @@ pub struct BatchGenerateArgs {
 
 pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     check_flags(args)?;
-    let (input_name, input_text) = read_input(&args.input)?;
+    let (input_name, input_bytes) = read_input(&args.input)?;
+    let (input_text, mut invalid) = decode_input(&input_bytes);
     let parsed = parse_input(&input_text, args.input_format);
-    let mut invalid: Vec<InvalidLine> = Vec::new();
     let mut records: Vec<InputRecord> = Vec::new();
     for p in parsed {
         match p {
@@ -109,18 +110,35 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
             Err(e) => invalid.push(e),
         }
     }
+    // A broken line's record never carries the id of a valid line (one id, one request).
+    let valid_ids: std::collections::HashSet<String> =
+        records.iter().map(|r| id_key(&r.id)).collect();
+    for e in &mut invalid {
+        if e.id
+            .as_ref()
+            .is_some_and(|id| valid_ids.contains(&id_key(id)))
+        {
+            e.id = None;
+        }
+    }
     refuse_invalid(args, &input_name, &invalid)?;
 
-    let resume = prepare_output(args)?;
+    let (mut sink, resume) = match &args.output {
+        Some(path) => {
+            let mut out = open_batch_output(path, args.resume, args.force)?;
+            let done = out.done.take();
+            (Sink::new(Box::new(out)), done)
+        }
+        None => (Sink::new(Box::new(std::io::stdout())), None),
+    };
     let total_input = records.len() + invalid.len();
     let mut skipped = 0;
     if let Some(done) = &resume {
         let before = records.len() + invalid.len();
-        records.retain(|r| !done.contains(&id_key(&r.id)));
-        invalid.retain(|e| !done.contains(&id_key(&error_id(e))));
+        records.retain(|r| !done.contains(&id_key(&r.id)) && !done.contains(&line_key(r.line)));
+        invalid.retain(|e| !done.contains(&line_key(e.line)));
         skipped = before - records.len() - invalid.len();
     }
-    let mut sink = open_sink(args, resume.is_some())?;
 
     let device = args.device.open()?;
     let loaded = load(&args.model.options(), &device)?;
@@ -166,14 +184,11 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         .map(|(_, b, _)| b.request.cache_tokens(window))
         .max()
         .unwrap_or(1);
-    let block_size = probe.block_size;
-    let block_bytes = probe.bytes_per_block();
-    let blocks = budget_blocks(args, longest, block_size, block_bytes);
-    let cache = PagedKvCache::new(
-        kv.cache_config(model.kv_shape(), model.dtype(), sizing(blocks))?,
-        model.device(),
-    )?;
-    let kv_budget = blocks * block_bytes;
+    let blocks = budget_blocks(args, &probe, longest)?;
+    let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(blocks))?;
+    super::args::check_cache_memory(&cfg, model.device())?;
+    let kv_budget = blocks * probe.bytes_per_block() + super::args::staging_bytes(&cfg)?;
+    let cache = PagedKvCache::new(cfg, model.device())?;
     let mut engine = Engine::new(
         model,
         cache,
@@ -242,7 +257,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
 
 fn check_flags(args: &BatchGenerateArgs) -> Result<()> {
     args.kv.options().validate()?;
-    args.sampling.params().validate()?;
+    args.sampling.validate()?;
     if args.sampling.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
@@ -261,16 +276,17 @@ fn check_flags(args: &BatchGenerateArgs) -> Result<()> {
     Ok(())
 }
 
-fn read_input(spec: &str) -> Result<(String, String)> {
+/// The input's bytes (decoded line by line later, so a bad byte names its line).
+fn read_input(spec: &str) -> Result<(String, Vec<u8>)> {
     if spec == "-" {
-        let mut s = String::new();
+        let mut s = Vec::new();
         std::io::stdin()
-            .read_to_string(&mut s)
+            .read_to_end(&mut s)
             .context("reading prompts from standard input")?;
         return Ok(("<stdin>".into(), s));
     }
-    let text = std::fs::read_to_string(spec).with_context(|| format!("cannot read {spec}"))?;
-    Ok((spec.to_string(), text))
+    let bytes = std::fs::read(spec).with_context(|| format!("cannot read {spec}"))?;
+    Ok((spec.to_string(), bytes))
 }
 
 /// Without --skip-invalid the first bad line stops the run before anything is generated.
@@ -291,97 +307,63 @@ fn refuse_invalid(args: &BatchGenerateArgs, name: &str, invalid: &[InvalidLine])
     Ok(())
 }
 
-/// The id under which a bad line is recorded: its own if it has one, else its line number.
-fn error_id(e: &InvalidLine) -> Value {
-    e.id.clone().unwrap_or_else(|| Value::from(e.line))
-}
-
+/// An error record: the line's own id if it has one no valid line has (else null), and its
+/// line number, which is what `--resume` keys it by.
 fn error_record(e: &InvalidLine) -> Value {
     json!({
-        "id": error_id(e),
+        "id": e.id.clone().unwrap_or(Value::Null),
         "line": e.line,
         "finish_reason": "error",
         "error": e.error,
     })
 }
 
-/// Checks the output file; with --resume returns the ids already done (rewriting the file
-/// without cancelled records or a torn last line first).
-fn prepare_output(args: &BatchGenerateArgs) -> Result<Option<std::collections::HashSet<String>>> {
-    let Some(path) = &args.output else {
-        return Ok(None);
-    };
-    let existing = match std::fs::read(path) {
-        Ok(b) => Some(String::from_utf8_lossy(&b).into_owned()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-    };
-    if !args.resume {
-        if existing.as_ref().is_some_and(|t| !t.is_empty()) && !args.force {
-            bail!(
-                "{} already exists: --resume continues it, --force overwrites it",
-                path.display()
-            );
-        }
-        return Ok(None);
-    }
-    let Some(text) = existing else {
-        return Ok(Some(Default::default()));
-    };
-    let st = read_resume(&text);
-    if st.dropped > 0 {
-        rewrite(path, &st.keep)?;
-    }
-    Ok(Some(st.done))
-}
-
-/// Replaces `path` by `lines` atomically (temp file + rename), so a kill leaves old or new.
-fn rewrite(path: &Path, lines: &[String]) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".resume-tmp");
-    let tmp = PathBuf::from(tmp);
-    let mut body = lines.join("\n");
-    if !body.is_empty() {
-        body.push('\n');
-    }
-    std::fs::write(&tmp, body).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
-    Ok(())
-}
-
-fn open_sink(args: &BatchGenerateArgs, append: bool) -> Result<Sink> {
-    let Some(path) = &args.output else {
-        return Ok(Sink::new(Box::new(std::io::stdout())));
-    };
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .append(append)
-        .truncate(!append)
-        .open(path)
-        .with_context(|| format!("cannot open {} for writing", path.display()))?;
-    Ok(Sink::new(Box::new(file)))
-}
-
-/// KV blocks to allocate: the --kv-memory budget, or by default room for --max-batch of the
-/// longest request (each with a partial block), capped at half the available memory but never
-/// below one longest request.
+/// KV blocks to allocate: the --kv-memory budget (less the dense staging pool of
+/// --quantized-kv-start, which the budget includes), or by default room for --max-batch of the
+/// longest request, capped at half the available memory but never below one longest request.
+/// A budget that cannot hold the longest request, or that the machine does not have, is refused.
 fn budget_blocks(
     args: &BatchGenerateArgs,
+    probe: &crate::kv::cache::CacheConfig,
     longest: usize,
-    block_size: usize,
-    block_bytes: usize,
-) -> usize {
+) -> Result<usize> {
+    let block_bytes = probe.bytes_per_block().max(1);
+    let staging = super::args::staging_bytes(probe)?;
+    let one = probe.max_blocks_for(longest, args.prefill_chunk).max(1);
+    let available = crate::device::available_memory_bytes();
     if let Some(bytes) = args.kv_memory {
-        return (bytes / block_bytes.max(1)).max(1);
+        if bytes > available {
+            bail!(
+                "--kv-memory {} is more than the {} of memory available now",
+                fmt_bytes(bytes),
+                fmt_bytes(available)
+            );
+        }
+        let need = one
+            .checked_mul(block_bytes)
+            .and_then(|b| b.checked_add(staging))
+            .unwrap_or(usize::MAX);
+        if bytes < need {
+            let staged = match staging {
+                0 => String::new(),
+                s => format!(
+                    " plus {} of dense staging for --quantized-kv-start",
+                    fmt_bytes(s)
+                ),
+            };
+            bail!(
+                "--kv-memory {} cannot hold the longest request ({longest} tokens: {one} blocks of \
+                 {} tokens, {}{staged}); allowed: at least {need} bytes",
+                fmt_bytes(bytes),
+                probe.block_size,
+                fmt_bytes(one.saturating_mul(block_bytes)),
+            );
+        }
+        return Ok((bytes - staging) / block_bytes);
     }
-    let one = longest.div_ceil(block_size) + 1;
-    let want = one * args.max_batch;
-    let cap = crate::device::available_memory().map(|b| b as usize / 2 / block_bytes.max(1));
-    match cap {
-        Some(c) => want.min(c).max(one),
-        None => want,
-    }
+    let want = one.saturating_add(1).saturating_mul(args.max_batch);
+    let cap = (available / 2).saturating_sub(staging) / block_bytes;
+    Ok(want.min(cap).max(one))
 }
 
 /// Tokenizes one request and merges its overrides into the command-line defaults.
@@ -411,6 +393,7 @@ fn build_request(
         params.temperature = t;
     }
     if let Some(p) = r.top_p {
+        super::args::check_top_p(p, "\"top_p\"")?;
         params.top_p = (p < 1.0).then_some(p);
     }
     if let Some(k) = r.top_k {

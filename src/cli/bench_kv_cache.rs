@@ -162,21 +162,18 @@ pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
     let report = kv_cache::run(&cfg, &device, &Bar(bar.clone()));
     bar.finish_and_clear();
     let report = report?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&json(&report)?)?);
+    let text = if args.json {
+        format!("{}\n", serde_json::to_string_pretty(&json(&report)?)?)
     } else if args.csv {
-        print!("{}", csv(&report));
+        csv(&report)
     } else {
-        println!("{}", header(&report));
-        println!("{}", table(&report));
-        println!("{GBPS_NOTE}.");
+        let mut t = format!("{}\n{}\n{GBPS_NOTE}.\n", header(&report), table(&report));
         if !report.attention.is_empty() {
-            println!();
-            println!("{}", attn_header(&report));
-            println!("{}", attn_table(&report));
+            t += &format!("\n{}\n{}\n", attn_header(&report), attn_table(&report));
         }
-    }
-    Ok(())
+        t
+    };
+    super::print_out(&text)
 }
 
 /// `{"config": {...}, "rows": [...]}`: the run's settings plus device, threads and memcpy figures

@@ -9,6 +9,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use super::output_file::check_new_file;
 use super::prompt_cache::{check_can_save, write as write_prompt_cache, CacheFiles};
 use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
@@ -61,6 +62,10 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub save_prompt_cache: Option<PathBuf>,
 
+    /// Let --save-prompt-cache replace an existing file (never the model, a device or a FIFO).
+    #[arg(long, requires = "save_prompt_cache")]
+    pub force: bool,
+
     #[command(flatten)]
     pub model: ModelArgs,
 
@@ -95,7 +100,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let prompt = prompt_ids(args, &loaded)?;
     let out = generate(args, &loaded, prompt)?;
     if args.json {
-        println!("{}", serde_json::to_string(&out.json())?);
+        super::print_out(&format!("{}\n", serde_json::to_string(&out.json())?))?;
     } else {
         print_stats(&out);
     }
@@ -129,7 +134,7 @@ fn read_prompt_file(path: &Path) -> Result<String> {
 /// Conflicting or empty inputs, refused before anything is loaded.
 fn check_flags(args: &GenerateArgs) -> Result<()> {
     args.kv.options().validate()?;
-    args.sampling.params().validate()?;
+    args.sampling.validate()?;
     if args.sampling.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
@@ -220,6 +225,7 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         .kv
         .options()
         .cache_config(model.kv_shape(), model.dtype(), sizing)?;
+    super::args::check_cache_memory(&cfg, model.device())?;
     let cache = PagedKvCache::new(cfg, model.device())?;
     let bytes_per_token = cache.config().bytes_per_token();
     let identity = if args.prompt_cache.is_some() || args.save_prompt_cache.is_some() {
@@ -227,7 +233,8 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
     } else {
         None
     };
-    if args.save_prompt_cache.is_some() {
+    if let Some(path) = &args.save_prompt_cache {
+        check_new_file("--save-prompt-cache", path, &m.source.files(), args.force)?;
         check_can_save(cache.config(), prompt.len())?;
     }
     let prefix = match (&args.prompt_cache, &identity) {
@@ -309,7 +316,13 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
                         break 'run;
                     }
                 }
-                Event::Finished { reason, .. } => finish = reason,
+                Event::Finished { id, reason } => {
+                    if reason == FinishReason::Error {
+                        let why = engine.take_error(id).unwrap_or_default();
+                        bail!("generation failed after {} tokens: {why}", tokens.len());
+                    }
+                    finish = reason
+                }
             }
         }
     }
@@ -317,7 +330,7 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
     let text = stream.finish()?;
     print(&text[printed..])?;
     if !args.json && !text.ends_with('\n') {
-        println!();
+        super::print_out("\n")?;
     }
     Ok(Output {
         prompt,

@@ -4,6 +4,7 @@ pub mod args;
 pub mod batch_generate;
 pub mod bench_kv_cache;
 pub mod generate;
+pub mod output_file;
 pub mod perplexity;
 pub mod prompt_cache;
 
@@ -24,6 +25,17 @@ pub fn one_line(e: &anyhow::Error) -> String {
         }
     }
     parts.join(": ")
+}
+
+/// Writes `text` to standard output and flushes it. A closed pipe or a full disk is an error
+/// (one line, exit 1), never a panic as `println!` would give.
+pub fn print_out(text: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .context("cannot write to standard output")
 }
 
 /// A progress bar on stderr counting `unit` (e.g. "requests") up to `total`, with a message

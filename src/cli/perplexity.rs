@@ -113,9 +113,15 @@ fn parse_spec(item: &str) -> Result<Spec> {
         match p {
             "affine" if scheme.is_none() => scheme = Some(QuantScheme::Affine),
             "rotated" if scheme.is_none() => scheme = Some(QuantScheme::Rotated),
-            g if g.starts_with('g') && group.is_none() => group = Some(g[1..].parse()?),
+            g if g.starts_with('g') && group.is_none() => {
+                group = Some(g.get(1..).unwrap_or_default().parse()?)
+            }
             other => bail!("unexpected '{other}'"),
         }
+    }
+    // Checked here, so a bad width is blamed on --compare, not on the flag it is passed as.
+    for b in [bits.0, bits.1] {
+        crate::kv::format::QuantFormat::new(b, group.unwrap_or(64))?;
     }
     Ok(Spec::Quant {
         bits,
@@ -183,8 +189,12 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
              model"
         );
     }
-    if args.ctx < 2 {
-        bail!("--ctx must be at least 2 (got {})", args.ctx);
+    if args.ctx < 3 {
+        bail!(
+            "--ctx must be at least 3 (got {}): a window of N tokens scores N-1 next tokens, \
+             and the second-half perplexity needs one of them",
+            args.ctx
+        );
     }
     if args.chunk == 0 {
         bail!("--chunk must be at least 1");
@@ -283,7 +293,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
             "seconds": seconds,
             "settings": reports,
         });
-        println!("{}", serde_json::to_string(&out)?);
+        super::print_out(&format!("{}\n", serde_json::to_string(&out)?))?;
     } else {
         eprintln!("{}", table(&reports));
         eprintln!(

@@ -44,7 +44,13 @@ impl CacheFiles {
             }
         };
         file.check_model(model)?;
-        let tokens = reusable_prefix(file.tokens(), prompt);
+        let mut tokens = reusable_prefix(file.tokens(), prompt);
+        if let Some(w) = cfg.window {
+            // With --max-kv-size W a position at or past W attends only the last W positions,
+            // so its K/V differ from the (whole-history) saved ones: only the first W rows are
+            // what this run would have computed.
+            tokens = tokens.min(w);
+        }
         if tokens == 0 && prompt.len() <= 2 {
             bail!(
                 "the prompt has {} tokens: too short to start from prompt cache {} (its last two \
@@ -110,6 +116,6 @@ pub fn write(
         formats: rows.iter().map(LayerRows::format).collect(),
         tokens: prompt.to_vec(),
     };
-    save(path, &meta, rows)?;
+    save(&super::output_file::replace_target(path), &meta, rows)?;
     Ok(())
 }

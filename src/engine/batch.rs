@@ -41,6 +41,8 @@ pub struct BatchResult {
     pub ttft_ms: f64,
     /// From the start of the run to the end of this request.
     pub total_ms: f64,
+    /// Why it failed, when `finish_reason` is `error`.
+    pub error: Option<String>,
 }
 
 impl BatchResult {
@@ -58,6 +60,9 @@ impl BatchResult {
         });
         if let Some(n) = self.cached_tokens {
             v["cached_tokens"] = Value::from(n);
+        }
+        if let Some(e) = &self.error {
+            v["error"] = Value::from(e.as_str());
         }
         v
     }
@@ -214,7 +219,16 @@ impl<'e, 'm, 't> Batch<'e, 'm, 't> {
             .remove(&id)
             .context("finished request not in flight")?;
         let text = f.text.finish()?;
+        let error = match reason {
+            FinishReason::Error => Some(
+                self.engine
+                    .take_error(id)
+                    .unwrap_or_else(|| "the request failed".into()),
+            ),
+            _ => None,
+        };
         on_result(BatchResult {
+            error,
             id: f.id,
             prompt_tokens: f.prompt_tokens,
             cached_tokens: f.cached_tokens,

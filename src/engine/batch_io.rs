@@ -6,6 +6,15 @@
 //! flushed one by one, so a killed job leaves only complete lines behind; `--resume` reads them
 //! back to know which ids are done.
 
+// Data here comes from files and the command line: no unwrap, expect or indexing that could
+// panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::HashSet;
@@ -120,8 +129,9 @@ pub fn parse_input(text: &str, format: InputFormat) -> Vec<Result<InputRecord, I
             } else {
                 Err(InvalidLine {
                     line,
-                    id: Some(r.id.clone()),
-                    error: format!("duplicate id {}", r.id),
+                    // The id belongs to the earlier line: the record of this one must not claim it.
+                    id: None,
+                    error: format!("duplicate id {} (an earlier line has it)", r.id),
                 })
             }
         });
@@ -219,42 +229,127 @@ fn parse_json_line(text: &str, line: usize) -> Result<InputRecord, InvalidLine> 
 /// What is already in an output file, for `--resume`.
 #[derive(Debug, Default)]
 pub struct ResumeState {
-    /// Ids with a final record (a result or an error record).
+    /// Keys of what is done: ids with a final result ([`id_key`]) and the lines of the input
+    /// that have an error record ([`line_key`]; error records never claim an id, so a broken
+    /// line can never make `--resume` skip a valid request with the same id).
     pub done: HashSet<String>,
     /// The lines to keep, in order: complete records other than `cancelled` ones (those requests
     /// run again), without a torn last line.
     pub keep: Vec<String>,
-    /// Whether the file held anything that is not kept (so it must be rewritten).
-    pub dropped: usize,
+    /// Records of cancelled requests left out of `keep` (they run again).
+    pub cancelled: usize,
+    /// The number of a last line that was cut short (no newline, not a whole record): left out
+    /// of `keep`, its request runs again.
+    pub torn: Option<usize>,
+    /// Whether the file must be rewritten as `keep` (something was left out, or the last line
+    /// lacks its newline).
+    pub rewrite: bool,
 }
 
-/// Reads a previous output.
-pub fn read_resume(text: &str) -> ResumeState {
+/// A line of an output file that is not a kvq record: `--resume` refuses the file.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("line {line} is not a kvq batch-generate record ({why}); --resume continues only files that batch-generate wrote, and never drops lines it does not know")]
+pub struct ForeignLine {
+    pub line: usize,
+    pub why: String,
+}
+
+/// The `--resume` key of an input line that has an error record.
+pub fn line_key(line: usize) -> String {
+    format!("line {line}")
+}
+
+/// What one output line is, if it is a kvq record: `Ok(None)` for a cancelled one.
+fn record_key(line: &str) -> Result<Option<String>, String> {
+    let v: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("not a JSON object")?;
+    let finish = obj
+        .get("finish_reason")
+        .and_then(Value::as_str)
+        .ok_or("no \"finish_reason\"")?;
+    match finish {
+        "cancelled" => Ok(None),
+        // An input line that could not be used: keyed by its line (its id may not be its own).
+        "error" if obj.contains_key("line") => {
+            let n = obj
+                .get("line")
+                .and_then(Value::as_u64)
+                .ok_or("an error record whose \"line\" is not a number")?;
+            Ok(Some(line_key(usize::try_from(n).unwrap_or(usize::MAX))))
+        }
+        // A request that failed while running (its id is a valid one), like any result.
+        _ => match obj.get("id") {
+            Some(id) if id.is_string() || id.is_u64() || id.is_i64() => Ok(Some(id_key(id))),
+            _ => Err("no string or integer \"id\"".into()),
+        },
+    }
+}
+
+/// Reads a previous output. Every non-blank line must be a kvq record, except a last line
+/// without its newline (cut by a kill), which is left out.
+pub fn read_resume(text: &str) -> Result<ResumeState, ForeignLine> {
     let mut st = ResumeState::default();
-    for line in text.lines() {
+    let complete = text.is_empty() || text.ends_with('\n');
+    let count = text.lines().count();
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        let last_cut = !complete && n == count;
         if line.trim().is_empty() {
+            st.keep.push(String::new());
             continue;
         }
-        let v: Option<Value> = serde_json::from_str(line).ok();
-        let keep = v.as_ref().and_then(|v| {
-            let id = v.get("id")?;
-            let cancelled = v.get("finish_reason").and_then(Value::as_str) == Some("cancelled");
-            (!cancelled && !id.is_null()).then(|| id_key(id))
-        });
-        match keep {
-            Some(key) => {
+        match record_key(line) {
+            Ok(Some(key)) => {
                 st.done.insert(key);
                 st.keep.push(line.to_string());
             }
-            None => st.dropped += 1,
+            Ok(None) => {
+                st.cancelled += 1;
+                st.rewrite = true;
+            }
+            Err(_) if last_cut => {
+                st.torn = Some(n);
+                st.rewrite = true;
+            }
+            Err(why) => return Err(ForeignLine { line: n, why }),
         }
     }
-    if !text.is_empty() && !text.ends_with('\n') {
-        // A last line without its newline was cut by a kill; even if it parses, rewrite the file
-        // so the next record starts on a line of its own.
-        st.dropped += usize::from(st.dropped == 0);
+    if !complete {
+        // Even a whole last record needs its newline before the next one is appended.
+        st.rewrite = true;
     }
-    st
+    while st.keep.last().is_some_and(String::is_empty) && st.rewrite {
+        st.keep.pop();
+    }
+    Ok(st)
+}
+
+/// Decodes an input file: a leading UTF-8 byte-order mark is dropped, and a line that is not
+/// UTF-8 becomes an [`InvalidLine`] (and a blank line in the text, so line numbers hold).
+pub fn decode_input(bytes: &[u8]) -> (String, Vec<InvalidLine>) {
+    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    if let Ok(s) = std::str::from_utf8(bytes) {
+        return (s.to_string(), Vec::new());
+    }
+    let mut text = String::with_capacity(bytes.len());
+    let mut bad = Vec::new();
+    for (i, line) in bytes.split(|&b| b == b'\n').enumerate() {
+        if i > 0 {
+            text.push('\n');
+        }
+        match std::str::from_utf8(line) {
+            Ok(s) => text.push_str(s),
+            Err(e) => bad.push(InvalidLine {
+                line: i + 1,
+                id: None,
+                error: format!(
+                    "not UTF-8 text (byte {} of the line is invalid)",
+                    e.valid_up_to() + 1
+                ),
+            }),
+        }
+    }
+    (text, bad)
 }
 
 /// Where result lines go: each one written whole and flushed at once.
@@ -311,6 +406,12 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 
@@ -356,15 +457,42 @@ mod tests {
         let text = concat!(
             "{\"id\":\"a\",\"finish_reason\":\"stop\"}\n",
             "{\"id\":\"b\",\"finish_reason\":\"cancelled\"}\n",
-            "{\"id\":3,\"finish_reason\":\"error\"}\n",
+            "{\"id\":3,\"line\":4,\"finish_reason\":\"error\"}\n",
             "{\"id\":\"d\",\"fini",
         );
-        let st = read_resume(text);
+        let st = read_resume(text).unwrap();
         assert_eq!(st.keep.len(), 2);
-        assert!(st.done.contains("\"a\"") && st.done.contains("3"));
+        assert!(st.done.contains("\"a\"") && st.done.contains(&line_key(4)));
+        assert!(
+            !st.done.contains("3"),
+            "an error record claims its line, not its id"
+        );
         assert!(!st.done.contains("\"b\""));
-        assert_eq!(st.dropped, 2);
-        assert_eq!(read_resume("{\"id\":1}\n").dropped, 0);
+        assert_eq!((st.cancelled, st.torn, st.rewrite), (1, Some(4), true));
+        assert!(
+            !read_resume("{\"id\":1,\"finish_reason\":\"stop\"}\n")
+                .unwrap()
+                .rewrite
+        );
+    }
+
+    #[test]
+    fn resume_refuses_foreign_lines_with_their_number() {
+        let e = read_resume("{\"id\":1,\"finish_reason\":\"stop\"}\ngarbage\n{\"id\":2,\"finish_reason\":\"stop\"}\n")
+            .unwrap_err();
+        assert_eq!(e.line, 2);
+        assert_eq!(read_resume("# notes\n").unwrap_err().line, 1);
+        assert_eq!(read_resume("{\"a\": 1}\n").unwrap_err().line, 1);
+    }
+
+    #[test]
+    fn input_bom_is_dropped_and_bad_utf8_names_its_line() {
+        let (t, bad) = decode_input(b"\xEF\xBB\xBF{\"prompt\":\"x\"}\n");
+        assert!(t.starts_with('{') && bad.is_empty());
+        let (t, bad) = decode_input(b"ok\nbad \xFF here\nfine\n");
+        assert_eq!(t.lines().collect::<Vec<_>>(), ["ok", "", "fine"]);
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].line, 2);
     }
 
     #[test]

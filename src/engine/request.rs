@@ -53,6 +53,9 @@ pub enum FinishReason {
     Length,
     /// Cancelled by the caller (Ctrl-C, error elsewhere).
     Cancelled,
+    /// This request failed (e.g. its logits became NaN); the engine says why
+    /// (`Engine::take_error`), and the other requests go on.
+    Error,
 }
 
 /// Engine output, in the order things happened.

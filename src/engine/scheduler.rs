@@ -69,6 +69,8 @@ pub struct Engine<'m> {
     /// Requests whose prompt rows are to be exported once prefilled, and those exported.
     keep_prompt: HashSet<SeqId>,
     prompt_kv: HashMap<SeqId, Vec<LayerRows>>,
+    /// Why requests that ended with [`FinishReason::Error`] failed (taken by the front end).
+    errors: HashMap<SeqId, String>,
 }
 
 impl<'m> Engine<'m> {
@@ -87,6 +89,7 @@ impl<'m> Engine<'m> {
             prefixes: HashMap::new(),
             keep_prompt: HashSet::new(),
             prompt_kv: HashMap::new(),
+            errors: HashMap::new(),
         })
     }
 
@@ -179,6 +182,11 @@ impl<'m> Engine<'m> {
     }
 
     /// Ends a request now (stop string seen, Ctrl-C); frees its blocks.
+    /// Why request `id` ended with [`FinishReason::Error`], once.
+    pub fn take_error(&mut self, id: SeqId) -> Option<String> {
+        self.errors.remove(&id)
+    }
+
     pub fn finish(&mut self, id: SeqId) {
         self.waiting.retain(|(w, _)| *w != id);
         self.prefixes.remove(&id);
@@ -325,7 +333,19 @@ impl<'m> Engine<'m> {
                 }
                 prefilled_now.push(r.id);
             }
-            let tok = r.sampler.sample(row, &r.history)?;
+            // A request whose logits cannot be sampled (NaN) ends alone; the others go on.
+            let tok = match r.sampler.sample(row, &r.history) {
+                Ok(t) => t,
+                Err(e) => {
+                    self.errors.insert(r.id, format!("{e:#}"));
+                    events.push(Event::Finished {
+                        id: r.id,
+                        reason: FinishReason::Error,
+                    });
+                    done.push(r.id);
+                    continue;
+                }
+            };
             r.history.push(tok);
             r.generated += 1;
             self.stats.generated_tokens += 1;

@@ -6,6 +6,15 @@
 //! [`ModelConfig::layers`]: each layer's attention kind — global, or a sliding window of W
 //! tokens — with its own RoPE base.
 
+// Data here comes from files and the command line: no unwrap, expect or indexing that could
+// panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use serde_json::Value;
@@ -153,11 +162,13 @@ impl ModelConfig {
             let v = md
                 .get(&key(k))
                 .with_context(|| format!("GGUF metadata lacks {}", key(k)))?;
-            Ok(v.to_u64()
+            let n = v
+                .to_u64()
                 .or_else(|_| v.to_u32().map(u64::from))
-                .or_else(|_| v.to_i32().map(|x| x as u64))
-                .with_context(|| format!("GGUF {} is not an integer", key(k)))?
-                as usize)
+                .ok()
+                .or_else(|| v.to_i32().ok().and_then(|x| u64::try_from(x).ok()))
+                .with_context(|| format!("GGUF {} is not a non-negative integer", key(k)))?;
+            usize::try_from(n).with_context(|| format!("GGUF {} = {n} is too large", key(k)))
         };
         let get_f = |k: &str| -> Option<f32> {
             md.get(&key(k)).and_then(|v| {
@@ -169,7 +180,9 @@ impl ModelConfig {
         let hidden_size = get_u("embedding_length")?;
         let num_heads = get_u("attention.head_count")?;
         let num_kv_heads = get_u("attention.head_count_kv").unwrap_or(num_heads);
-        let head_dim = get_u("attention.key_length").unwrap_or(hidden_size / num_heads);
+        // A zero head count is refused by `validate`, not divided by.
+        let head_dim = get_u("attention.key_length")
+            .unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0));
         let vocab_size = match get_u("vocab_size") {
             Ok(v) => v,
             Err(_) => match md.get("tokenizer.ggml.tokens") {
@@ -274,14 +287,14 @@ impl ModelConfig {
         let u = |k: &str| -> Result<usize> {
             v.get(k)
                 .and_then(Value::as_u64)
-                .map(|x| x as usize)
+                .map(|x| usize::try_from(x).unwrap_or(usize::MAX))
                 .with_context(|| format!("config lacks integer field '{k}'"))
         };
         let hidden_size = u("hidden_size")?;
         let num_heads = u("num_attention_heads")?;
         let head_dim = match v.get("head_dim").and_then(Value::as_u64) {
-            Some(h) => h as usize,
-            None => hidden_size / num_heads,
+            Some(h) => usize::try_from(h).unwrap_or(usize::MAX),
+            None => hidden_size.checked_div(num_heads).unwrap_or(0),
         };
         // transformers 5 writes `rope_parameters` (per layer type for Gemma 3) instead of
         // `rope_theta` / `rope_scaling`.
@@ -448,6 +461,29 @@ impl ModelConfig {
                 "{} layer attention kinds for {} layers",
                 self.layers.len(),
                 self.num_layers
+            );
+        }
+        // Sizes no real model comes near: refused before anything is allocated from them.
+        for (name, v, max) in [
+            ("layer count", self.num_layers, 1 << 16),
+            ("head count", self.num_heads, 1 << 16),
+            ("head_dim", self.head_dim, 1 << 16),
+            ("hidden size", self.hidden_size, 1 << 20),
+            ("feed-forward size", self.intermediate_size, 1 << 22),
+            ("vocabulary size", self.vocab_size, 1 << 26),
+        ] {
+            if v > max {
+                bail!("model config: {name} {v} is out of range (at most {max})");
+            }
+        }
+        let p = self.max_position_embeddings;
+        // RoPE tables: positions x head_dim/2, f32, three of them while they are built.
+        let rope = p.saturating_mul(self.head_dim / 2).saturating_mul(12);
+        let available = crate::device::available_memory_bytes();
+        if p == 0 || p > u32::MAX as usize || rope > available {
+            bail!(
+                "model config: context length {p} is out of range (its position tables need \
+                 {rope} bytes, {available} are available)"
             );
         }
         Ok(())

@@ -38,6 +38,17 @@ pub enum WeightSource {
 }
 
 impl WeightSource {
+    /// The files the weights are read from (a writer must never replace one of them).
+    pub fn files(&self) -> Vec<PathBuf> {
+        match self {
+            WeightSource::Gguf(p) => vec![p.clone()],
+            WeightSource::Safetensors(files) => files.clone(),
+            WeightSource::Dummy { config, .. } => vec![config.clone()],
+        }
+    }
+}
+
+impl WeightSource {
     /// The fingerprint (lowercase hex sha256).
     pub fn fingerprint(&self) -> Result<String> {
         let mut h = Sha256::new();

@@ -198,6 +198,7 @@ impl Llama {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             layer_windows: c.layers.iter().map(|l| l.window).collect(),
+            max_positions: c.max_position_embeddings,
         }
     }
 

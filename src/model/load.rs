@@ -26,6 +26,8 @@ pub struct LoadedModel {
     pub chat_template: Option<ChatTemplate>,
     /// What was loaded, for messages and prompt-cache fingerprints.
     pub description: String,
+    /// Where the chat template comes from (the model, or `--tokenizer FILE`), for messages.
+    pub template_owner: String,
     /// Where the weights came from (their fingerprint identifies them in prompt caches).
     pub source: WeightSource,
     /// How the matmuls are computed (dense weights, kvq's block kernels, candle's quantized
@@ -40,7 +42,7 @@ impl LoadedModel {
         let template = self.chat_template.as_ref().with_context(|| {
             format!(
                 "{} has no chat template: send the prompt as plain text with --raw",
-                self.description
+                self.template_owner
             )
         })?;
         let text = template.render(messages, true)?;
@@ -81,6 +83,7 @@ pub fn load(args: &ModelOptions, device: &Device) -> Result<LoadedModel> {
         }
         Some(spec) => {
             let p = Path::new(spec);
+            check_model_path(p, spec)?;
             if p.is_file() {
                 load_gguf(p, args, device, dtype)?
             } else if p.is_dir() {
@@ -99,8 +102,24 @@ pub fn load(args: &ModelOptions, device: &Device) -> Result<LoadedModel> {
         }
     };
     let tokenizer = match &args.tokenizer {
-        Some(t) => TextTokenizer::from_files(t, None, &[])?,
+        Some(t) => {
+            let custom = TextTokenizer::from_files(t, None, &[])?;
+            let (have, own) = (custom.vocab_size(), tokenizer.vocab_size());
+            if have != own {
+                bail!(
+                    "--tokenizer {} has {have} tokens, but {description}'s own tokenizer has \
+                     {own}: they do not belong together (the model would emit ids it cannot \
+                     decode)",
+                    t.display()
+                );
+            }
+            custom
+        }
         None => tokenizer,
+    };
+    let template_owner = match &args.tokenizer {
+        Some(t) => format!("--tokenizer {}", t.display()),
+        None => description.clone(),
     };
     let chat_template = match tokenizer.chat_template() {
         Some(src) => Some(
@@ -119,6 +138,7 @@ pub fn load(args: &ModelOptions, device: &Device) -> Result<LoadedModel> {
         tokenizer,
         chat_template,
         description,
+        template_owner,
         source,
         weight_math,
     })
@@ -135,12 +155,50 @@ fn looks_like_path(spec: &str) -> bool {
         || spec.matches('/').count() > 1
 }
 
+/// Refuses, with what it is, a path that exists but is no model: a device, a FIFO or socket
+/// (which would block or never end), or a lone safetensors file (a safetensors model is a
+/// directory, with its config.json and tokenizer.json).
+fn check_model_path(p: &Path, spec: &str) -> Result<()> {
+    let Ok(meta) = std::fs::metadata(p) else {
+        return Ok(());
+    };
+    if !meta.is_file() && !meta.is_dir() {
+        bail!(
+            "--model {spec} is not a regular file or directory (a device, FIFO or socket): give \
+             a .gguf file, a model directory or a Hugging Face repo id"
+        );
+    }
+    if meta.is_file() {
+        let mut head = [0u8; 9];
+        let n = std::fs::File::open(p)
+            .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+            .unwrap_or(0);
+        let safetensors_header = n == 9 && head[8] == b'{' && &head[..4] != b"GGUF";
+        if spec.ends_with(".safetensors") || safetensors_header {
+            let dir = p.parent().map_or(".".into(), |d| d.display().to_string());
+            bail!(
+                "--model {spec} is a safetensors file: give the directory holding it with its \
+                 config.json and tokenizer.json (e.g. --model {dir})"
+            );
+        }
+    }
+    Ok(())
+}
+
 fn load_gguf(
     path: &Path,
     args: &ModelOptions,
     device: &Device,
     dtype: DType,
 ) -> Result<(Llama, TextTokenizer, String, WeightSource)> {
+    if let Err(e) = super::gguf_check::check_file(path)
+        .with_context(|| format!("cannot open model file {}", path.display()))?
+    {
+        bail!(
+            "{} is not a readable GGUF model file ({e}); is it truncated or corrupt?",
+            path.display()
+        );
+    }
     let mut f = std::fs::File::open(path)
         .with_context(|| format!("cannot open model file {}", path.display()))?;
     let content = gguf_file::Content::read(&mut f).map_err(|e| {
@@ -241,6 +299,7 @@ fn load_dummy(args: &ModelOptions, device: &Device, dtype: DType) -> Result<Load
         tokenizer,
         chat_template: None,
         description: format!("dummy weights shaped by {}", config.display()),
+        template_owner: format!("dummy weights shaped by {}", config.display()),
         source: WeightSource::Dummy {
             config: config.clone(),
             seed: DUMMY_SEED,

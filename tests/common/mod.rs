@@ -58,6 +58,28 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// Asserts that `o` failed with exit 1 and a last stderr line `error: ...` containing `needle`
+/// (and no panic); returns that line.
+pub fn assert_fails_with(o: &Output, what: &str, needle: &str) -> String {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "{what}: stderr {err}");
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    let last = err
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .next_back()
+        .unwrap_or_default()
+        .to_string();
+    assert!(last.starts_with("error: "), "{what}: {err}");
+    assert!(last.contains(needle), "{what}: want '{needle}' in: {last}");
+    last
+}
+
+/// Runs kvq, expects failure with exit 1 and a single `error:` line containing `needle`.
+pub fn fails_with(args: &[&str], needle: &str) -> String {
+    assert_fails_with(&kvq(args), &format!("args {args:?}"), needle)
+}
+
 /// `kvq generate` arguments for a reference case: greedy, f32, dequantized weights, 48 tokens,
 /// `--json`, then `extra`; chat cases go through `--messages` (a file written into `dir`), raw
 /// ones through `--raw`.

@@ -77,6 +77,8 @@ pub struct ModelShape {
     pub head_dim: usize,
     /// Each layer's own sliding window (`None`: global); empty: no layer has one.
     pub layer_windows: Vec<Option<usize>>,
+    /// The context window: no sequence holds more positions.
+    pub max_positions: usize,
 }
 
 /// How many blocks the pools get.
@@ -208,6 +210,7 @@ impl KvOptions {
             num_kv_heads,
             head_dim,
             layer_windows,
+            max_positions,
         } = shape;
         let mut cfg = CacheConfig::dense(
             num_layers,
@@ -252,6 +255,7 @@ impl KvOptions {
         }
         cfg.window = self.max_kv_size;
         cfg.layer_windows = layer_windows;
+        cfg.max_seq_len = Some(max_positions);
         cfg.size_pools(sizing);
         Ok(cfg)
     }
@@ -284,6 +288,9 @@ pub struct CacheConfig {
     /// The model's own sliding window of each layer (`None`: global), before `window` caps
     /// it; empty: no layer has one.
     pub layer_windows: Vec<Option<usize>>,
+    /// Most positions one sequence can hold (the model's context window), if known: staging
+    /// past it is never used.
+    pub max_seq_len: Option<usize>,
 }
 
 impl CacheConfig {
@@ -306,6 +313,7 @@ impl CacheConfig {
             staging: None,
             window: None,
             layer_windows: Vec::new(),
+            max_seq_len: None,
         }
     }
 
@@ -402,8 +410,10 @@ impl CacheConfig {
         };
         self.num_blocks = main;
         let bs = self.block_size;
+        let most = self.max_seq_len.unwrap_or(usize::MAX);
         if let Some(st) = self.staging.as_mut() {
-            st.num_blocks = max_batch * (st.tokens.div_ceil(bs) + 1);
+            let staged = st.tokens.min(most);
+            st.num_blocks = max_batch.saturating_mul(staged.div_ceil(bs) + 1);
         }
     }
 }

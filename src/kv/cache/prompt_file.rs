@@ -16,18 +16,31 @@
 //!   quantized matmul): each computes K/V differently;
 //! - `kvq.shape`: `layers,kv_heads,head_dim`;
 //! - `kvq.layers`: each layer's stored format (`dense:f32`, `affine:4:64:f16`, comma-separated);
-//! - `kvq.tokens`: the token ids (a JSON array), one per row.
+//! - `kvq.tokens`: the token ids (a JSON array), one per row;
+//! - `kvq.checksums`: a JSON object, tensor name -> sha256 (hex) of its data bytes, checked
+//!   when the file is opened, so a damaged file is refused instead of changing the output.
+
+// Data here comes from files and the command line: no unwrap, expect or indexing that could
+// panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
-use std::collections::HashMap;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::kv::format::tag::{file_tensors, format_name, format_tag, parse_format};
 use crate::kv::format::{KvFormat, LayerRows};
 
 /// The file format version this code writes and reads.
-pub const VERSION: &str = "1";
+pub const VERSION: &str = "2";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PromptCacheError {
@@ -75,8 +88,17 @@ pub struct ModelIdentity {
     pub head_dim: usize,
 }
 
+/// sha256 of a tensor's bytes, in hex.
+fn checksum(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Writes `rows` (one entry per layer, one row per token of `meta.tokens`) to `path`: to a
-/// temporary file first, then renamed, so a reader never sees half a file.
+/// new temporary file beside it first, then renamed, so a reader never sees half a file and no
+/// other file is touched. The caller decides whether `path` may be replaced.
 pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<()> {
     let fail = |msg: String| PromptCacheError::Write {
         path: path.to_path_buf(),
@@ -107,6 +129,11 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
         }
     }
     let tokens = serde_json::to_string(&meta.tokens).map_err(|e| fail(e.to_string()))?;
+    let sums: BTreeMap<&str, String> = tensors
+        .iter()
+        .map(|(n, t)| (n.as_str(), checksum(&safetensors::View::data(t))))
+        .collect();
+    let sums = serde_json::to_string(&sums).map_err(|e| fail(e.to_string()))?;
     let header: HashMap<String, String> = [
         ("kvq.prompt_cache", VERSION.to_string()),
         ("kvq.fingerprint", meta.fingerprint.clone()),
@@ -128,20 +155,31 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
                 .join(","),
         ),
         ("kvq.tokens", tokens),
+        ("kvq.checksums", sums),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    let bytes =
+        safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(header))
+            .map_err(|e| fail(e.to_string()))?;
     let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
+    tmp.push(format!(".kvq-{}.tmp", std::process::id()));
     let tmp = PathBuf::from(tmp);
-    safetensors::tensor::serialize_to_file(
-        tensors.iter().map(|(n, t)| (n.as_str(), t)),
-        Some(header),
-        &tmp,
-    )
-    .map_err(|e| fail(e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|e| fail(e.to_string()))
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(&bytes)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(fail(e.to_string()));
+    }
+    Ok(())
 }
 
 /// An opened, checked prompt-cache file. The data stays memory-mapped until rows are loaded, so
@@ -164,6 +202,21 @@ impl std::fmt::Debug for PromptCacheFile {
 impl PromptCacheFile {
     /// Opens `path` and checks that its header and tensors are a complete, consistent cache.
     pub fn open(path: &Path) -> Result<Self> {
+        // Looked at before opening: opening a FIFO would wait for a writer.
+        let meta = std::fs::metadata(path).map_err(|source| PromptCacheError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if !meta.is_file() {
+            return Err(PromptCacheError::Invalid {
+                path: path.to_path_buf(),
+                msg: if meta.is_dir() {
+                    "it is a directory; give the file --save-prompt-cache wrote".into()
+                } else {
+                    "it is not a regular file (a device, FIFO or socket)".into()
+                },
+            });
+        }
         let file = std::fs::File::open(path).map_err(|source| PromptCacheError::Io {
             path: path.to_path_buf(),
             source,
@@ -326,9 +379,12 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
     let version = field("kvq.prompt_cache")?;
     if version != VERSION {
         return Err(invalid(format!(
-            "format version {version}, this kvq reads version {VERSION}"
+            "format version {version}, this kvq reads version {VERSION} (save it again with \
+             --save-prompt-cache)"
         )));
     }
+    let sums: HashMap<String, String> = serde_json::from_str(field("kvq.checksums")?)
+        .map_err(|e| invalid(format!("bad \"kvq.checksums\": {e}")))?;
     let shape: Vec<usize> = field("kvq.shape")?
         .split(',')
         .map(|s| s.trim().parse())
@@ -351,7 +407,9 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
     }
     let tokens: Vec<u32> = serde_json::from_str(field("kvq.tokens")?)
         .map_err(|e| invalid(format!("bad \"kvq.tokens\": {e}")))?;
-    let width = num_kv_heads * head_dim;
+    let width = num_kv_heads
+        .checked_mul(head_dim)
+        .ok_or_else(|| invalid("\"kvq.shape\" is too large".into()))?;
     let mut expected = 0;
     for (l, f) in formats.iter().enumerate() {
         f.check_dim(head_dim)
@@ -367,6 +425,12 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
                     view.dtype(),
                     view.shape(),
                     StDtype::from(dtype)
+                )));
+            }
+            if sums.get(&name) != Some(&checksum(view.data())) {
+                return Err(invalid(format!(
+                    "tensor {name} is damaged (its data does not match the checksum stored \
+                     with it)"
                 )));
             }
             expected += 1;
@@ -391,4 +455,10 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests;

@@ -69,6 +69,8 @@ pub struct Engine<'m> {
     /// Requests whose prompt rows are to be exported once prefilled, and those exported.
     keep_prompt: HashSet<SeqId>,
     prompt_kv: HashMap<SeqId, Vec<LayerRows>>,
+    /// Decode no sequence while another is still prefilling (see [`Engine::prefill_first`]).
+    prefill_first: bool,
 }
 
 impl<'m> Engine<'m> {
@@ -87,7 +89,16 @@ impl<'m> Engine<'m> {
             prefixes: HashMap::new(),
             keep_prompt: HashSet::new(),
             prompt_kv: HashMap::new(),
+            prefill_first: false,
         })
+    }
+
+    /// With `on`, sequences whose prompt is done wait (their first token already sampled) until
+    /// no running sequence is prefilling, so steps are either all prompt or all decode: the
+    /// phases `kvq bench-batch` times apart, as llama.cpp's batched bench runs them. Off (the
+    /// default), decode tokens ride along with prompt chunks so running requests keep producing.
+    pub fn prefill_first(&mut self, on: bool) {
+        self.prefill_first = on;
     }
 
     /// Tokens a request may occupy in the cache at most.
@@ -274,8 +285,13 @@ impl<'m> Engine<'m> {
         let mut owners = Vec::new(); // index into running, per input row
         let mut prefill_tokens = 0;
         let mut decode_tokens = 0;
+        let hold = self.prefill_first
+            && self
+                .running
+                .iter()
+                .any(|r| r.prefilled < r.req.prompt.len());
         for (i, r) in self.running.iter().enumerate() {
-            if r.prefilled == r.req.prompt.len() {
+            if r.prefilled == r.req.prompt.len() && !hold {
                 inputs.push(SeqInput {
                     seq: r.id,
                     tokens: vec![*r.history.last().expect("history has the prompt")],

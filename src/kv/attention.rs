@@ -22,8 +22,10 @@ pub struct SeqSlice {
     pub n: usize,
     /// First key position any of the new tokens can see (> 0 only with a sliding window).
     pub kstart: usize,
-    /// Cache slots of positions `kstart..start + n` (u32), shared by all layers.
-    pub slots: Tensor,
+    /// Cache slots of positions `kstart..start + n` (u32), shared by all layers: built by the
+    /// first layer that gathers this sequence's rows (a prompt chunk off the decode kernel), so
+    /// a decode step neither lists nor uploads any sequence's whole history.
+    pub slots: OnceCell<Tensor>,
     /// A prompt chunk's causal mask (`None`: it needs none), built by the first layer that
     /// attends the chunk by gathering and shared by the others.
     pub mask: OnceCell<Option<Tensor>>,
@@ -144,8 +146,20 @@ pub fn paged_attention(
         if outs[i].is_some() {
             continue;
         }
+        let slots = match s.slots.get() {
+            Some(t) => t.clone(),
+            None => {
+                let end = s.start + s.n;
+                let host = cache
+                    .slots(s.seq, s.kstart, end)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let t = Tensor::from_vec(host, end - s.kstart, q.device())?;
+                s.slots.get_or_init(|| t.clone());
+                t
+            }
+        };
         let (k, v) = cache
-            .gather(layer, s.seq, &s.slots, q.dtype())
+            .gather(layer, s.seq, &slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
         let mask = match s.mask.get() {
@@ -394,7 +408,7 @@ mod rotated_tests {
                 start,
                 n,
                 kstart: 0,
-                slots: slots.clone(),
+                slots: slots.clone().into(),
                 mask: Default::default(),
             }];
             let plan = plan_decode(&cache, &batch, as_decode).unwrap();

@@ -11,3 +11,4 @@ pub mod layer;
 pub mod prompt_cache;
 pub mod quant;
 pub mod rotation;
+pub mod scatter;

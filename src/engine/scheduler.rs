@@ -19,6 +19,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use super::request::{CachedPrefix, Event, FinishReason, Request};
+use super::device_greedy::{greedy_ids, is_plain_greedy};
 use super::sampler::Sampler;
 use super::stats::Stats;
 use crate::kv::cache::{PagedKvCache, SeqId};
@@ -327,7 +328,20 @@ impl<'m> Engine<'m> {
         let logits = self
             .model
             .forward(&inputs, &mut self.cache, LogitsFor::Last)?;
-        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+        // On a GPU, an all-greedy step brings back token ids only (engine::device_greedy).
+        let picks = if !logits.device().is_cpu()
+            && owners
+                .iter()
+                .all(|&i| is_plain_greedy(self.running[i].sampler.params()))
+        {
+            Some(greedy_ids(&logits)?)
+        } else {
+            None
+        };
+        let rows: Vec<Vec<f32>> = match picks {
+            Some(_) => Vec::new(),
+            None => logits.to_vec2()?,
+        };
         let elapsed = t0.elapsed();
         self.stats
             .record_step(prefill_tokens, decode_tokens, elapsed);
@@ -337,7 +351,7 @@ impl<'m> Engine<'m> {
         let mut events = Vec::new();
         let mut done = Vec::new();
         let mut prefilled_now = Vec::new();
-        for ((inp, &i), row) in inputs.iter().zip(&owners).zip(&rows) {
+        for (j, (inp, &i)) in inputs.iter().zip(&owners).enumerate() {
             let r = &mut self.running[i];
             let n = inp.tokens.len();
             if r.prefilled < r.req.prompt.len() {
@@ -347,7 +361,10 @@ impl<'m> Engine<'m> {
                 }
                 prefilled_now.push(r.id);
             }
-            let tok = r.sampler.sample(row, &r.history)?;
+            let tok = match &picks {
+                Some(ids) => ids[j],
+                None => r.sampler.sample(&rows[j], &r.history)?,
+            };
             r.history.push(tok);
             r.generated += 1;
             self.stats.generated_tokens += 1;

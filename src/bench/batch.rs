@@ -76,7 +76,11 @@ pub fn synthetic_prompt(seq: usize, len: usize, vocab: usize) -> Vec<u32> {
 /// Checks a shape against the model before anything is allocated.
 pub fn check_shape(model: &Llama, s: Shape) -> Result<()> {
     if s.pp == 0 || s.pl == 0 {
-        bail!("--npp and --npl values must be at least 1 (got pp {}, pl {})", s.pp, s.pl);
+        bail!(
+            "--npp and --npl values must be at least 1 (got pp {}, pl {})",
+            s.pp,
+            s.pl
+        );
     }
     let window = model.config().max_position_embeddings;
     if s.pp + s.tg > window {

@@ -72,9 +72,9 @@ fn parse_list(flag: &str, s: &str, min: usize) -> Result<Vec<usize>> {
         match part.parse::<usize>() {
             Ok(n) if n >= min => out.push(n),
             Ok(n) => bail!("{flag} '{s}': {n} is below the minimum of {min}"),
-            Err(_) => bail!(
-                "{flag} '{s}': '{part}' is not a whole number (give a list like 1,8,32)"
-            ),
+            Err(_) => {
+                bail!("{flag} '{s}': '{part}' is not a whole number (give a list like 1,8,32)")
+            }
         }
     }
     Ok(out)
@@ -170,17 +170,7 @@ fn table(rows: &[Row], peak_rss: Option<u64>) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header(vec![
-        "PP",
-        "TG",
-        "B",
-        "N_KV",
-        "T_PP s",
-        "S_PP t/s",
-        "T_TG s",
-        "S_TG t/s",
-        "T s",
-        "S t/s",
-        "KV",
+        "PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s", "KV",
         "peak mem",
     ]);
     for r in rows {

@@ -18,8 +18,8 @@ use anyhow::{bail, Result};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
-use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::device_greedy::{greedy_ids, is_plain_greedy};
+use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
 use crate::kv::cache::{PagedKvCache, SeqId};

@@ -101,7 +101,7 @@ fn bad_values_are_refused_with_the_flag_named() {
         (&["--prefill-chunk", "0"][..], "--prefill-chunk"),
         (&["--npp", "9000"][..], "context window"),
     ] {
-        let mut a = SMALL.to_vec();
+        let mut a = vec!["bench-batch", "--no-warmup", "--threads", "2"];
         a.extend_from_slice(args);
         let out = kvq(&a);
         assert!(!out.status.success(), "{args:?} was accepted");

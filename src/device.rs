@@ -32,3 +32,16 @@ pub fn available_memory() -> Option<u64> {
 pub fn available_memory_bytes() -> usize {
     available_memory().map_or(4 << 30, |b| b as usize)
 }
+
+/// Device memory in use on `dev` right now (the whole GPU: this process's allocations, its
+/// context and any other process's), where the device can tell: CUDA only.
+pub fn used_bytes(dev: &Device) -> Option<u64> {
+    match dev {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
+            Some(total.saturating_sub(free) as u64)
+        }
+        _ => None,
+    }
+}

@@ -16,6 +16,9 @@ enum Command {
     Generate(Box<cli::generate::GenerateArgs>),
     /// Generate for many prompts from a file (continuous batching); one JSON line per request.
     BatchGenerate(Box<cli::batch_generate::BatchGenerateArgs>),
+    /// Prompt and decode throughput of B sequences decoded together (llama-batched-bench's
+    /// table for kvq).
+    BenchBatch(Box<cli::bench_batch::BenchBatchArgs>),
     /// Memory, compression, error and latency of f16 vs quantized KV caches.
     BenchKvCache(cli::bench_kv_cache::BenchKvCacheArgs),
     /// Perplexity of a text, and KL divergence / same-top-1 of quantized KV caches against the
@@ -42,6 +45,7 @@ fn main() {
     let result = match &cli.command {
         Command::Generate(a) => cli::generate::run(a),
         Command::BatchGenerate(a) => cli::batch_generate::run(a),
+        Command::BenchBatch(a) => cli::bench_batch::run(a),
         Command::BenchKvCache(a) => cli::bench_kv_cache::run(a),
         Command::Perplexity(a) => cli::perplexity::run(a),
     };

@@ -1,4 +1,5 @@
 //! Measurement drivers behind the `bench-*` subcommands.
 
+pub mod batch;
 pub mod kv_cache;
 pub mod perplexity;

@@ -2,6 +2,7 @@
 
 pub mod args;
 pub mod batch_generate;
+pub mod bench_batch;
 pub mod bench_kv_cache;
 pub mod generate;
 pub mod output_file;

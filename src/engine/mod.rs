@@ -4,6 +4,7 @@
 pub mod batch;
 pub mod batch_io;
 pub mod detok;
+pub mod device_greedy;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;

@@ -18,6 +18,7 @@ use anyhow::{bail, Result};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
+use super::device_greedy::{greedy_ids, is_plain_greedy};
 use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
@@ -71,6 +72,8 @@ pub struct Engine<'m> {
     prompt_kv: HashMap<SeqId, Vec<LayerRows>>,
     /// Why requests that ended with [`FinishReason::Error`] failed (taken by the front end).
     errors: HashMap<SeqId, String>,
+    /// Decode no sequence while another is still prefilling (see [`Engine::prefill_first`]).
+    prefill_first: bool,
 }
 
 impl<'m> Engine<'m> {
@@ -90,7 +93,16 @@ impl<'m> Engine<'m> {
             keep_prompt: HashSet::new(),
             prompt_kv: HashMap::new(),
             errors: HashMap::new(),
+            prefill_first: false,
         })
+    }
+
+    /// With `on`, sequences whose prompt is done wait (their first token already sampled) until
+    /// no running sequence is prefilling, so steps are either all prompt or all decode: the
+    /// phases `kvq bench-batch` times apart, as llama.cpp's batched bench runs them. Off (the
+    /// default), decode tokens ride along with prompt chunks so running requests keep producing.
+    pub fn prefill_first(&mut self, on: bool) {
+        self.prefill_first = on;
     }
 
     /// Tokens a request may occupy in the cache at most.
@@ -276,8 +288,13 @@ impl<'m> Engine<'m> {
         let mut owners = Vec::new(); // index into running, per input row
         let mut prefill_tokens = 0;
         let mut decode_tokens = 0;
+        let hold = self.prefill_first
+            && self
+                .running
+                .iter()
+                .any(|r| r.prefilled < r.req.prompt.len());
         for (i, r) in self.running.iter().enumerate() {
-            if r.prefilled == r.req.prompt.len() {
+            if r.prefilled == r.req.prompt.len() && !hold {
                 inputs.push(SeqInput {
                     seq: r.id,
                     tokens: vec![*r.history.last().expect("history has the prompt")],
@@ -313,7 +330,20 @@ impl<'m> Engine<'m> {
         let logits = self
             .model
             .forward(&inputs, &mut self.cache, LogitsFor::Last)?;
-        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+        // On a GPU, an all-greedy step brings back token ids only (engine::device_greedy).
+        let picks = if !logits.device().is_cpu()
+            && owners
+                .iter()
+                .all(|&i| is_plain_greedy(self.running[i].sampler.params()))
+        {
+            Some(greedy_ids(&logits)?)
+        } else {
+            None
+        };
+        let rows: Vec<Vec<f32>> = match picks {
+            Some(_) => Vec::new(),
+            None => logits.to_vec2()?,
+        };
         let elapsed = t0.elapsed();
         self.stats
             .record_step(prefill_tokens, decode_tokens, elapsed);
@@ -323,7 +353,7 @@ impl<'m> Engine<'m> {
         let mut events = Vec::new();
         let mut done = Vec::new();
         let mut prefilled_now = Vec::new();
-        for ((inp, &i), row) in inputs.iter().zip(&owners).zip(&rows) {
+        for (j, (inp, &i)) in inputs.iter().zip(&owners).enumerate() {
             let r = &mut self.running[i];
             let n = inp.tokens.len();
             if r.prefilled < r.req.prompt.len() {
@@ -334,7 +364,11 @@ impl<'m> Engine<'m> {
                 prefilled_now.push(r.id);
             }
             // A request whose logits cannot be sampled (NaN) ends alone; the others go on.
-            let tok = match r.sampler.sample(row, &r.history) {
+            let sampled = match &picks {
+                Some(ids) => Ok(ids[j]),
+                None => r.sampler.sample(&rows[j], &r.history),
+            };
+            let tok = match sampled {
                 Ok(t) => t,
                 Err(e) => {
                     self.errors.insert(r.id, format!("{e:#}"));

@@ -257,14 +257,13 @@ impl Llama {
                 );
             }
             let kstart = cache.first_visible(start);
-            let slots = cache.slots(inp.seq, kstart, start + n)?;
             batch.push(SeqSlice {
                 seq: inp.seq,
                 offset: tokens.len(),
                 start,
                 n,
                 kstart,
-                slots: Tensor::from_vec(slots, start + n - kstart, &self.device)?,
+                slots: Default::default(),
                 mask: Default::default(),
             });
             tokens.extend_from_slice(&inp.tokens);

@@ -74,8 +74,20 @@ pub fn paged_attention(
         if outs[i].is_some() {
             continue;
         }
+        let slots = match s.slots.get() {
+            Some(t) => t.clone(),
+            None => {
+                let end = s.start + s.n;
+                let host = cache
+                    .slots(s.seq, s.kstart, end)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let t = Tensor::from_vec(host, end - s.kstart, q.device())?;
+                s.slots.get_or_init(|| t.clone());
+                t
+            }
+        };
         let (k, v) = cache
-            .gather(layer, s.seq, &s.slots, q.dtype())
+            .gather(layer, s.seq, &slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
         let known = s
@@ -161,7 +173,7 @@ mod rotated_tests {
                 start,
                 n,
                 kstart: 0,
-                slots: slots.clone(),
+                slots: slots.clone().into(),
                 mask: Default::default(),
             }];
             let plan = plan_decode(&cache, &batch, as_decode).unwrap();

@@ -3,7 +3,7 @@
 //! together ([`DecodeGroup`], block tables uploaded once and shared by every layer).
 
 use candle_core::{Result, Tensor};
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
 
 use super::decode::HostTables;
 use crate::kv::cache::{PagedKvCache, SeqId};
@@ -19,8 +19,10 @@ pub struct SeqSlice {
     /// First key position any of the new tokens can see in any layer (> 0 only with a
     /// sliding window on every layer).
     pub kstart: usize,
-    /// Cache slots of positions `kstart..start + n` (u32), shared by all layers.
-    pub slots: Tensor,
+    /// Cache slots of positions `kstart..start + n` (u32), shared by all layers: built by the
+    /// first layer that gathers this sequence's rows (a prompt chunk off the decode kernel), so
+    /// a decode step neither lists nor uploads any sequence's whole history.
+    pub slots: OnceCell<Tensor>,
     /// A prompt chunk's causal mask per layer window (`None`: it needs none), built by the
     /// first layer of that window that attends the chunk by gathering, shared by the others.
     pub mask: RefCell<Vec<(Option<usize>, Option<Tensor>)>>,

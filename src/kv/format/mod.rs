@@ -20,6 +20,7 @@ pub mod ops;
 mod pack;
 mod quantized;
 pub mod rotation;
+mod scatter;
 pub mod storage;
 pub mod tag;
 

@@ -151,6 +151,8 @@ pub fn quantize_rows_into(
 pub struct SlotRows {
     host: Vec<u32>,
     dev: std::sync::OnceLock<Tensor>,
+    /// `[n, width]`: each slot repeated along a row, the index a dense scatter takes.
+    wide: std::sync::OnceLock<Tensor>,
 }
 
 impl SlotRows {
@@ -158,6 +160,7 @@ impl SlotRows {
         SlotRows {
             host,
             dev: std::sync::OnceLock::new(),
+            wide: std::sync::OnceLock::new(),
         }
     }
 
@@ -172,6 +175,26 @@ impl SlotRows {
         }
         let t = Tensor::from_slice(&self.host, self.host.len(), device)?;
         let _ = self.dev.set(t.clone());
+        Ok(t)
+    }
+
+    /// The slots as a contiguous u32 `[n, width]` tensor on `device`, slot `i` repeated along
+    /// row `i` (the index of a row scatter), built once and shared by every layer's K and V.
+    pub fn wide_on(&self, device: &Device, width: usize) -> Result<Tensor> {
+        if let Some(t) = self
+            .wide
+            .get()
+            .filter(|t| t.device().same_device(device) && t.dims() == [self.host.len(), width])
+        {
+            return Ok(t.clone());
+        }
+        let n = self.host.len();
+        let t = self
+            .on(device)?
+            .reshape((n, 1))?
+            .broadcast_as((n, width))?
+            .contiguous()?;
+        let _ = self.wide.set(t.clone());
         Ok(t)
     }
 }

@@ -108,7 +108,11 @@ impl LayerKv {
                 quantize_into_rows(k, *kfmt, qk, rows)?;
                 quantize_into_rows(v, *vfmt, qv, rows)
             }
-            LayerKv::Dense { .. } => {
+            LayerKv::Dense { k: pk, v: pv } => {
+                if super::scatter::prefer_scatter(pk, rows.as_slice()) {
+                    super::scatter::scatter_rows(pk, rows, k)?;
+                    return super::scatter::scatter_rows(pv, rows, v);
+                }
                 let rows = rows.as_slice();
                 for (i, len) in slot_runs(rows) {
                     self.write_run(

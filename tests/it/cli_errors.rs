@@ -1,7 +1,6 @@
 //! Bad input gets a one-line cause and exit code 1 — never a panic (exit 101).
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::io::Write;
 
 /// Runs kvq, expects failure with exit 1 and a single `error:` line containing `needle`.

@@ -11,7 +11,7 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use hf_hub::api::sync::{ApiBuilder, ApiRepo};
+use hf_hub::api::RepoInfo;
 use hf_hub::{Cache, Repo, RepoType};
 
 /// What a Hub spec resolved to.
@@ -169,23 +169,53 @@ pub fn resolve_repo(spec: &str) -> Result<HubModel> {
     if offline() {
         resolve_offline(&spec, &Cache::from_env(), repo)
     } else {
-        let api = ApiBuilder::from_env()
-            .with_progress(std::io::stderr().is_terminal())
-            .build()
-            .context("setting up the Hugging Face Hub client")?;
-        resolve_online(&spec, &api.repo(repo))
+        resolve_through_client(&spec, repo)
     }
 }
 
-fn resolve_online(spec: &Spec, api: &ApiRepo) -> Result<HubModel> {
+/// hf-hub's blocking client (ureq, rustls).
+#[cfg(not(target_os = "macos"))]
+fn resolve_through_client(spec: &Spec, repo: Repo) -> Result<HubModel> {
+    let api = hf_hub::api::sync::ApiBuilder::from_env()
+        .with_progress(std::io::stderr().is_terminal())
+        .build()
+        .context("setting up the Hugging Face Hub client")?
+        .repo(repo);
+    resolve_online(spec, api.info().map_err(|e| e.to_string()), |name| {
+        api.get(name).map_err(|e| e.to_string())
+    })
+}
+
+/// macOS: hf-hub's async client (reqwest with the system TLS; see Cargo.toml for why) driven on a
+/// one-thread runtime, so the calls stay blocking as on the other platforms.
+#[cfg(target_os = "macos")]
+fn resolve_through_client(spec: &Spec, repo: Repo) -> Result<HubModel> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the Hugging Face Hub client's runtime")?;
+    let api = hf_hub::api::tokio::ApiBuilder::from_env()
+        .with_progress(std::io::stderr().is_terminal())
+        .build()
+        .context("setting up the Hugging Face Hub client")?
+        .repo(repo);
+    let info = runtime.block_on(api.info()).map_err(|e| e.to_string());
+    resolve_online(spec, info, |name| {
+        runtime.block_on(api.get(name)).map_err(|e| e.to_string())
+    })
+}
+
+/// The files of `info` (the repo's listing), fetched through `fetch` (name -> cached path).
+fn resolve_online(
+    spec: &Spec,
+    info: std::result::Result<RepoInfo, String>,
+    fetch: impl Fn(&str) -> std::result::Result<PathBuf, String>,
+) -> Result<HubModel> {
     let what = format!("{}@{}", spec.repo, spec.revision);
-    let info = api
-        .info()
-        .map_err(|e| anyhow!("looking up {what} on the Hugging Face Hub: {e}"))?;
+    let info = info.map_err(|e| anyhow!("looking up {what} on the Hugging Face Hub: {e}"))?;
     let listed: BTreeSet<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
     let get = |name: &str| -> Result<PathBuf> {
-        api.get(name)
-            .map_err(|e| anyhow!("downloading {name} of {what}: {e}"))
+        fetch(name).map_err(|e| anyhow!("downloading {name} of {what}: {e}"))
     };
     let ggufs: Vec<&String> = listed.iter().filter(|f| f.ends_with(".gguf")).collect();
     let has_safetensors = listed.contains(CONFIG)

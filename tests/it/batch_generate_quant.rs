@@ -15,9 +15,8 @@
 //! Smaller than `batch_generate_greedy` to keep CI time modest: the 12 reference prompts and 30
 //! random ones (every fifth a repeat), 12 new tokens each, per setting.
 
-mod common;
+use crate::common::*;
 use candle_core::{DType, Device, Tensor};
-use common::*;
 use kvq::engine::request::{Event, Request};
 use kvq::engine::sampler::SamplingParams;
 use kvq::engine::scheduler::{Engine, EngineConfig};

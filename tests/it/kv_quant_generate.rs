@@ -2,8 +2,7 @@
 //! reports against the format's formula, sliding windows that keep the cache flat, and prefill
 //! peak memory below the dense cache's.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn json(args: &[&str]) -> serde_json::Value {
     let out = kvq(args);

@@ -1,8 +1,7 @@
 //! Nothing lost, nothing silently wrong (issue 21): files kvq must not overwrite or shrink, and
 //! inputs it must refuse rather than run into a wrong answer. Each test drives the CLI.
 
-mod common;
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

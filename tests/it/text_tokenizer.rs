@@ -7,7 +7,7 @@ use kvq::model::chat::{ChatTemplate, Message};
 use kvq::model::tokenizer::TextTokenizer;
 use serde_json::Value;
 
-const REFERENCE: &str = "/work/shared/reference";
+use crate::common::reference_dir;
 
 fn model_path() -> PathBuf {
     let home = std::env::var_os("KVQ_HOME")
@@ -25,13 +25,13 @@ fn tokenizer() -> TextTokenizer {
 
 fn facts() -> Value {
     serde_json::from_str(
-        &std::fs::read_to_string(format!("{REFERENCE}/smollm2-model-facts.json")).unwrap(),
+        &std::fs::read_to_string(reference_dir().join("smollm2-model-facts.json")).unwrap(),
     )
     .unwrap()
 }
 
 fn greedy_cases() -> Vec<Value> {
-    std::fs::read_to_string(format!("{REFERENCE}/smollm2-greedy.jsonl"))
+    std::fs::read_to_string(reference_dir().join("smollm2-greedy.jsonl"))
         .unwrap()
         .lines()
         .filter(|l| !l.trim().is_empty())
@@ -152,9 +152,9 @@ fn greedy_prompts_encode_exactly() {
 #[test]
 fn corpus_prefix_matches_reference_ids() {
     let tok = tokenizer();
-    let corpus = std::fs::read_to_string(format!("{REFERENCE}/corpus.txt")).unwrap();
+    let corpus = std::fs::read_to_string(reference_dir().join("corpus.txt")).unwrap();
     let want: Vec<u32> =
-        std::fs::read_to_string(format!("{REFERENCE}/corpus-first65536-token-ids.txt"))
+        std::fs::read_to_string(reference_dir().join("corpus-first65536-token-ids.txt"))
             .unwrap()
             .split_whitespace()
             .map(|x| x.parse().unwrap())

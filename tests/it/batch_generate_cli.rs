@@ -2,8 +2,7 @@
 //! completes the rest without duplicates; a KV budget for two sequences still runs everything;
 //! bad input lines are reported as FILE:LINE or written as error records.
 
-mod common;
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;

@@ -4,8 +4,7 @@
 //! first fragile step on at least 11 of the 12 prompts. The kernels compute the dense f32
 //! product of the dequantized weights, so the tokens also equal the `--dequantize` run's.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 #[test]
 fn default_block_weights_keep_transformers_greedy_tokens() {

@@ -8,9 +8,8 @@
 //! The SentencePiece GGUF tokenizers must give transformers' ids on multilingual text with
 //! byte-fallback characters, and Gemma's chat template its rendering.
 
-mod common;
+use crate::common::*;
 use candle_core::{DType, Device};
-use common::*;
 use kvq::kv::cache::{CacheConfig, PagedKvCache};
 use kvq::model::chat::Message;
 use kvq::model::llama::{LogitsFor, SeqInput};

@@ -4,9 +4,8 @@
 //! requests in full (a difference prints its first step and top-1/top-2 margin), the 12
 //! reference prompts equal to the reference up to their first fragile step, identical prompts
 //! identical.
-mod common;
+use crate::common::*;
 use candle_core::{DType, Device};
-use common::*;
 use kvq::engine::batch::{Batch, BatchRequest};
 use kvq::engine::request::Request;
 use kvq::engine::sampler::SamplingParams;

@@ -1,8 +1,7 @@
 //! `kvq perplexity` on the default model and the reference corpus (a small slice of the
 //! protocol, so CI stays quick; the full 32 × 2048 figures are in the README).
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn corpus() -> String {
     reference_dir().join("corpus.txt").display().to_string()

@@ -3,8 +3,7 @@
 //! definitions, KV flags that change the cache, prompts fully prefilled before decoding, and
 //! bad values refused with the flag named.
 
-mod common;
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 const SMALL: &[&str] = &[

@@ -4,8 +4,7 @@
 //! cache — dense and 4-bit (the 4-bit cache holds the saving run's codes, imported as they are).
 //! Files of another KV format, other weights, or damaged ones are refused with one line.
 
-mod common;
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 

@@ -1,8 +1,7 @@
 //! No panic, abort or hang on hostile shapes and outputs, one failing request ends alone, and
 //! messages that name the real problem (issue 21). Each test drives the CLI.
 
-mod common;
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -2,9 +2,8 @@
 //! logits it gets alone — for the prompt pass and for decode steps after it — bit for bit, on
 //! the batch-invariant CPU path (the default there).
 
-mod common;
+use crate::common::*;
 use candle_core::{DType, Device, Tensor};
-use common::*;
 use kvq::kv::cache::{CacheConfig, PagedKvCache};
 use kvq::model::llama::{Llama, LogitsFor, SeqInput};
 use kvq::model::load::load;

@@ -1,7 +1,6 @@
 //! Bad input gets a one-line cause and exit code 1 — never a panic (exit 101).
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::io::Write;
 
 /// A minimal GGUF v3 file: metadata key/strings and one 2-D tensor of raw type `ggml_type`.

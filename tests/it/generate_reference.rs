@@ -2,8 +2,7 @@
 //! (../shared/reference/smollm2-greedy.jsonl): exact prompt ids, and exact generated ids up to
 //! the first fragile step (a near-tie that may go either way).
 
-mod common;
-use common::*;
+use crate::common::*;
 
 #[test]
 fn greedy_generate_matches_transformers_reference() {

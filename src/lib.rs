@@ -12,3 +12,4 @@ pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod ops;
+pub mod server;

@@ -6,6 +6,7 @@ pub mod bench_kv_cache;
 pub mod generate;
 pub mod perplexity;
 pub mod prompt_cache;
+pub mod serve;
 
 /// An error as one line: each cause of the chain (first line only, so backtraces that candle
 /// appends to its messages stay out), joined with ": ".

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::layer::{KvFormat, LayerKv, LayerRows};
+use super::prefix::PrefixIndex;
 use super::quant::SlotRows;
 use super::rotation::{Rotation, DEFAULT_SEED};
 
@@ -215,6 +216,8 @@ pub struct PagedKvCache {
     /// The slots of the last write, per pool written: every layer of a step writes the same
     /// ones, so they are uploaded to the device once per step, not once per layer.
     last_slots: Mutex<Vec<Arc<SlotRows>>>,
+    /// Automatic prefix reuse of main-pool blocks (see `kv::prefix`), when enabled.
+    prefix: Option<PrefixIndex>,
 }
 
 impl PagedKvCache {
@@ -254,6 +257,7 @@ impl PagedKvCache {
             peak_bytes: 0,
             rotation,
             last_slots: Mutex::default(),
+            prefix: None,
         })
     }
 
@@ -287,8 +291,16 @@ impl PagedKvCache {
     /// Drops a sequence and returns its blocks to their pool at once.
     pub fn remove_sequence(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            let pool = self.pool_mut(s.pool);
-            pool.free.extend(s.blocks.into_iter().flatten().rev());
+            let blocks = s.blocks.into_iter().flatten().rev();
+            match (&mut self.prefix, s.pool) {
+                // Shared or cached blocks stay; from the table's end, so a parked chain is
+                // evicted from its end.
+                (Some(p), Pool::Main) => {
+                    let freed: Vec<u32> = blocks.filter(|&b| p.release(b)).collect();
+                    self.main.free.extend(freed);
+                }
+                _ => self.pool_mut(s.pool).free.extend(blocks),
+            }
         }
     }
 
@@ -301,9 +313,102 @@ impl PagedKvCache {
         Ok(self.seq(id)?.len)
     }
 
-    /// Free blocks in the main pool.
+    /// Free blocks in the main pool (blocks parked by the prefix cache included: they are
+    /// evicted when needed).
     pub fn free_blocks(&self) -> usize {
-        self.main.free.len()
+        self.main.free.len() + self.prefix_cached_blocks()
+    }
+
+    /// Main-pool blocks nobody holds that still cache a prompt prefix.
+    pub fn prefix_cached_blocks(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixIndex::evictable)
+    }
+
+    /// Turns on automatic prefix reuse: full blocks of prompts registered with
+    /// [`Self::register_prefix`] stay in the pool, shared by reference count, after their
+    /// sequences end, until the pool needs them (least recently used first). Not available
+    /// with a sliding window or a staging pool, whose blocks do not keep a prompt's rows.
+    pub fn enable_prefix_cache(&mut self) -> Result<()> {
+        if self.cfg.window.is_some() || self.cfg.staging.is_some() {
+            return Err(CacheError::Rows(
+                "prefix reuse needs whole histories in the main pool: it cannot be combined \
+                 with a sliding window (--max-kv-size) or --quantized-kv-start"
+                    .into(),
+            ));
+        }
+        if self.prefix.is_none() {
+            let mut p = PrefixIndex::new(self.cfg.num_blocks, self.cfg.block_size);
+            for s in self.seqs.values() {
+                for &b in s.blocks.iter().flatten() {
+                    p.hold(b);
+                }
+            }
+            self.prefix = Some(p);
+        }
+        Ok(())
+    }
+
+    /// Starts the new, empty sequence `id` on the cached blocks holding the longest prefix of
+    /// `tokens` of at most `max_tokens` tokens (whole blocks); returns the tokens it now holds
+    /// (0 without prefix reuse or a match).
+    pub fn attach_prefix(&mut self, id: SeqId, tokens: &[u32], max_tokens: usize) -> Result<usize> {
+        let bs = self.cfg.block_size;
+        let Some(p) = self.prefix.as_mut() else {
+            return Ok(0);
+        };
+        let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
+        if s.len > 0 || s.pool != Pool::Main {
+            return Err(CacheError::Rows(format!(
+                "sequence {id}: a cached prefix can only start an empty sequence"
+            )));
+        }
+        let found = p.lookup(tokens, max_tokens / bs);
+        for &b in &found {
+            p.hold(b);
+        }
+        s.len = found.len() * bs;
+        s.blocks = found.into_iter().map(Some).collect();
+        Ok(s.len)
+    }
+
+    /// Offers the full blocks of `id` holding `tokens` (its first positions, all written) to
+    /// the prefix cache; nothing without prefix reuse.
+    pub fn register_prefix(&mut self, id: SeqId, tokens: &[u32]) -> Result<()> {
+        let Some(p) = self.prefix.as_mut() else {
+            return Ok(());
+        };
+        let s = self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))?;
+        let n = tokens.len().min(s.len);
+        let blocks: Vec<u32> = s.blocks.iter().map_while(|b| *b).collect();
+        p.register(&blocks, &tokens[..n]);
+        Ok(())
+    }
+
+    /// Takes `n` main-pool blocks for a sequence: free ones first, then parked prefix blocks,
+    /// least recently used first (all-or-nothing).
+    fn take_main(&mut self, n: usize) -> Result<Vec<u32>> {
+        if let Some(p) = self.prefix.as_mut() {
+            if n <= self.main.free.len() + p.evictable() {
+                while self.main.free.len() < n {
+                    match p.evict() {
+                        Some(b) => self.main.free.push(b),
+                        None => break,
+                    }
+                }
+            }
+        }
+        let new = self.main.take(n)?;
+        if let Some(p) = self.prefix.as_mut() {
+            for &b in &new {
+                p.hold(b);
+            }
+        }
+        Ok(new)
+    }
+
+    /// Free and total blocks of the dense staging pool (`--quantized-kv-start`), if any.
+    pub fn staging_blocks(&self) -> Option<(usize, usize)> {
+        self.staging.as_ref().map(|p| (p.free.len(), p.total))
     }
 
     /// Main-pool blocks `id` owns now.
@@ -333,7 +438,10 @@ impl PagedKvCache {
             .blocks_for(s.len + n_new)
             .saturating_sub(s.blocks.len());
         let pool = s.pool;
-        let new = self.pool_mut(pool).take(needed)?;
+        let new = match pool {
+            Pool::Main => self.take_main(needed)?,
+            Pool::Staging => self.pool_mut(pool).take(needed)?,
+        };
         let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
         s.blocks.extend(new.into_iter().map(Some));
         debug_assert!(s.blocks.len() * bs >= s.len + n_new);

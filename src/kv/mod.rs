@@ -8,6 +8,7 @@ pub mod decode;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernels;
 pub mod layer;
+pub mod prefix;
 pub mod prompt_cache;
 pub mod quant;
 pub mod rotation;

@@ -57,7 +57,9 @@ fn load_200_requests_32_clients() {
         .iter()
         .enumerate()
         .filter(|(_, r)| !matches!(r.0, Kind::Malformed(_)))
-        .map(|(i, (_, p, m))| json!({"id": i, "prompt": p, "raw": true, "max_tokens": m}).to_string())
+        .map(|(i, (_, p, m))| {
+            json!({"id": i, "prompt": p, "raw": true, "max_tokens": m}).to_string()
+        })
         .collect();
     std::fs::write(&input, lines.join("\n")).unwrap();
     let mut args = vec![
@@ -98,7 +100,8 @@ fn load_200_requests_32_clients() {
                 let problem = match kind {
                     Kind::Malformed(b) => {
                         let (code, text) = s.post_raw("/v1/completions", b, &[]);
-                        (!(400..500).contains(&code)).then(|| format!("{i}: {code} for {b}: {text}"))
+                        (!(400..500).contains(&code))
+                            .then(|| format!("{i}: {code} for {b}: {text}"))
                     }
                     Kind::HangUp => {
                         let mut b = body.clone();
@@ -110,7 +113,8 @@ fn load_200_requests_32_clients() {
                         let mut b = body.clone();
                         merge(&mut b, json!({"stream": true}));
                         let (text, _) = stream_text(&s.stream("/v1/completions", &b));
-                        (text != want[&i]).then(|| format!("{i}: streamed {text:?} != {:?}", want[&i]))
+                        (text != want[&i])
+                            .then(|| format!("{i}: streamed {text:?} != {:?}", want[&i]))
                     }
                     Kind::Plain => {
                         let (code, v) = s.post("/v1/completions", &body);

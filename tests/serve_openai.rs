@@ -33,7 +33,15 @@ fn python_with_openai() -> Result<PathBuf, String> {
         ));
     }
     let out = Command::new(&py)
-        .args(["-m", "pip", "install", "--quiet", "--timeout", "30", "openai"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--timeout",
+            "30",
+            "openai",
+        ])
         .output()
         .map_err(|e| format!("pip cannot be run: {e}"))?;
     if !out.status.success() {
@@ -58,7 +66,12 @@ fn official_openai_python_client() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/openai_client_check.py");
     let out = Command::new(&py)
         .arg(&script)
-        .args(["--base-url", &format!("{}/v1", s.base), "--api-key", "test-key"])
+        .args([
+            "--base-url",
+            &format!("{}/v1", s.base),
+            "--api-key",
+            "test-key",
+        ])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -69,18 +82,21 @@ fn official_openai_python_client() {
     );
     let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
     // The client's answers equal what the server sends to a plain HTTP request.
-    let (code, direct) = s.post(
-        "/v1/chat/completions",
-        &serde_json::json!({
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 16,
-        }),
-    );
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 16,
+    });
+    let auth = [("Authorization", "Bearer test-key")];
+    let (code, direct) = s.post_raw("/v1/chat/completions", &body.to_string(), &auth);
+    let direct: serde_json::Value = serde_json::from_str(&direct).unwrap();
     assert_eq!(code, 200);
     assert_eq!(v["chat"], direct["choices"][0]["message"]["content"]);
     assert_eq!(v["chat_stream"], v["chat"]);
     assert_eq!(v["completion_stream"], v["completion"]);
-    assert!(v["completion"].as_str().is_some_and(|t| !t.is_empty()), "{v}");
+    assert!(
+        v["completion"].as_str().is_some_and(|t| !t.is_empty()),
+        "{v}"
+    );
     assert_eq!(v["bad_key_status"], 401);
     assert_eq!(v["bad_model_status"], 400);
     s.assert_no_leak();

@@ -9,8 +9,8 @@ use serde_json::{json, Value};
 
 /// `len` token ids of the reference corpus from `at`.
 fn corpus_ids(at: usize, len: usize) -> Vec<u32> {
-    let text = std::fs::read_to_string(reference_dir().join("corpus-first65536-token-ids.txt"))
-        .unwrap();
+    let text =
+        std::fs::read_to_string(reference_dir().join("corpus-first65536-token-ids.txt")).unwrap();
     text.split_whitespace()
         .skip(at)
         .take(len)
@@ -40,7 +40,10 @@ fn shared_prefix_reuse(kv: &[&str]) {
     let (want_a, usage) = complete(&cold, &a);
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
     let (want_b, usage) = complete(&cold, &b);
-    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0, "reuse is off");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "reuse is off"
+    );
     cold.assert_no_leak();
     drop(cold);
 
@@ -51,11 +54,17 @@ fn shared_prefix_reuse(kv: &[&str]) {
     // b shares a's first 1000 tokens: 62 whole blocks of 16 come from the cache.
     let (got_b, usage) = complete(&s, &b);
     assert_eq!(usage["prompt_tokens"], b.len());
-    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 992, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 992,
+        "{usage}"
+    );
     assert_eq!(got_b, want_b, "same tokens with and without reuse");
     // a again: all its whole blocks but what must be left to prefill.
     let (again, usage) = complete(&s, &a);
-    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 1024, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 1024,
+        "{usage}"
+    );
     assert_eq!(again, want_a);
     assert_eq!(s.metric("kvq_prefix_cache_hits_total"), 2.0);
     assert_eq!(s.metric("kvq_prefix_cache_tokens_total"), 2016.0);

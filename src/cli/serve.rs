@@ -110,8 +110,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             let probe = a.kv.cache_config(model, 0, a.max_batch)?;
             let window = model.config().max_position_embeddings;
             let blocks = budget_blocks(&a, window, probe.block_size, probe.bytes_per_block());
-            let cache =
-                PagedKvCache::new(a.kv.cache_config(model, blocks, a.max_batch)?, &device)?;
+            let cache = PagedKvCache::new(a.kv.cache_config(model, blocks, a.max_batch)?, &device)?;
             eprintln!(
                 "kvq serve: {} | KV cache {} blocks of {} tokens ({} MiB)",
                 loaded.description,

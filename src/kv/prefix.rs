@@ -174,7 +174,7 @@ mod tests {
         assert_eq!(p.lookup(&[1, 2, 7, 4], 8), vec![0]); // diverges in the second block
         assert_eq!(p.lookup(&[3, 4], 8), Vec::<u32>::new()); // same tokens, other history
         assert_eq!(p.lookup(&[1, 2, 3, 4], 1), vec![0]); // capped
-        // Released: the registered blocks are parked, the partial one is free.
+                                                         // Released: the registered blocks are parked, the partial one is free.
         assert!(!p.release(0));
         assert!(!p.release(1));
         assert!(p.release(2));

@@ -317,7 +317,10 @@ fn number(o: &Map<String, Value>, key: &str, lo: f64, hi: f64) -> Result<Option<
             }
             Ok(Some(x))
         }
-        Some(_) => Err(ApiError::invalid(key, format!("\"{key}\" must be a number"))),
+        Some(_) => Err(ApiError::invalid(
+            key,
+            format!("\"{key}\" must be a number"),
+        )),
     }
 }
 
@@ -339,7 +342,10 @@ fn boolean(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> 
     match o.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(ApiError::invalid(key, format!("\"{key}\" must be a boolean"))),
+        Some(_) => Err(ApiError::invalid(
+            key,
+            format!("\"{key}\" must be a boolean"),
+        )),
     }
 }
 
@@ -511,18 +517,54 @@ mod tests {
             ("[1]", Endpoint::Chat, None),
             (r#"{"messages":"hi"}"#, Endpoint::Chat, Some("messages")),
             (r#"{"messages":[]}"#, Endpoint::Chat, Some("messages")),
-            (r#"{"messages":[{"role":1}]}"#, Endpoint::Chat, Some("messages")),
+            (
+                r#"{"messages":[{"role":1}]}"#,
+                Endpoint::Chat,
+                Some("messages"),
+            ),
             (r#"{"prompt":5}"#, Endpoint::Completions, Some("prompt")),
             (r#"{"prompt":""}"#, Endpoint::Completions, Some("prompt")),
-            (r#"{"prompt":"a","model":"other"}"#, Endpoint::Completions, Some("model")),
-            (r#"{"prompt":"a","temperature":"hot"}"#, Endpoint::Completions, Some("temperature")),
-            (r#"{"prompt":"a","temperature":3}"#, Endpoint::Completions, Some("temperature")),
-            (r#"{"prompt":"a","max_tokens":-1}"#, Endpoint::Completions, Some("max_tokens")),
-            (r#"{"prompt":"a","max_tokens":0}"#, Endpoint::Completions, Some("max_tokens")),
+            (
+                r#"{"prompt":"a","model":"other"}"#,
+                Endpoint::Completions,
+                Some("model"),
+            ),
+            (
+                r#"{"prompt":"a","temperature":"hot"}"#,
+                Endpoint::Completions,
+                Some("temperature"),
+            ),
+            (
+                r#"{"prompt":"a","temperature":3}"#,
+                Endpoint::Completions,
+                Some("temperature"),
+            ),
+            (
+                r#"{"prompt":"a","max_tokens":-1}"#,
+                Endpoint::Completions,
+                Some("max_tokens"),
+            ),
+            (
+                r#"{"prompt":"a","max_tokens":0}"#,
+                Endpoint::Completions,
+                Some("max_tokens"),
+            ),
             (r#"{"prompt":"a","n":2}"#, Endpoint::Completions, Some("n")),
-            (r#"{"prompt":"a","stop":[1]}"#, Endpoint::Completions, Some("stop")),
-            (r#"{"prompt":"a","stream":"yes"}"#, Endpoint::Completions, Some("stream")),
-            (r#"{"prompt":"a","top_p":0}"#, Endpoint::Completions, Some("top_p")),
+            (
+                r#"{"prompt":"a","stop":[1]}"#,
+                Endpoint::Completions,
+                Some("stop"),
+            ),
+            (
+                r#"{"prompt":"a","stream":"yes"}"#,
+                Endpoint::Completions,
+                Some("stream"),
+            ),
+            (
+                r#"{"prompt":"a","top_p":0}"#,
+                Endpoint::Completions,
+                Some("top_p"),
+            ),
         ];
         for (body, ep, param) in cases {
             let e = parse(body, ep).expect_err(body);

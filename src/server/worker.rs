@@ -338,7 +338,11 @@ fn pool_labels(engine: &Engine<'_>) -> Vec<(&'static str, String, usize)> {
 
 /// An error chain on one line (candle appends backtraces on later lines).
 fn one_line(e: &anyhow::Error) -> String {
-    format!("{e:#}").lines().next().unwrap_or_default().to_string()
+    format!("{e:#}")
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// Generated tokens per second over a sliding 10-second window.

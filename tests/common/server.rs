@@ -27,11 +27,18 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts `kvq serve --port 0` with BASE_FLAGS and `extra`, and waits for its address.
+    /// Starts `kvq serve --port 0` with BASE_FLAGS and `extra` (a flag of both is taken from
+    /// `extra`), and waits for its address.
     pub fn start(extra: &[&str]) -> Server {
+        let mut base = Vec::new();
+        for pair in BASE_FLAGS.chunks(2) {
+            if !extra.contains(&pair[0]) {
+                base.extend_from_slice(pair);
+            }
+        }
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvq"))
             .args(["serve", "--host", "127.0.0.1", "--port", "0"])
-            .args(BASE_FLAGS)
+            .args(&base)
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -116,7 +116,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 loaded.description,
                 blocks,
                 probe.block_size,
-                blocks * probe.bytes_per_block() >> 20
+                (blocks * probe.bytes_per_block()) >> 20
             );
             Ok((loaded, cache))
         }),

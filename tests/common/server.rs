@@ -31,9 +31,13 @@ impl Server {
     /// `extra`), and waits for its address.
     pub fn start(extra: &[&str]) -> Server {
         let mut base = Vec::new();
-        for pair in BASE_FLAGS.chunks(2) {
-            if !extra.contains(&pair[0]) {
-                base.extend_from_slice(pair);
+        let mut skip = false;
+        for f in BASE_FLAGS {
+            if f.starts_with("--") {
+                skip = extra.contains(f);
+            }
+            if !skip {
+                base.push(*f);
             }
         }
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvq"))

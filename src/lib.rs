@@ -12,4 +12,5 @@ pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod ops;
+pub mod server;
 pub mod simd;

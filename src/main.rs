@@ -24,6 +24,9 @@ enum Command {
     /// Perplexity of a text, and KL divergence / same-top-1 of quantized KV caches against the
     /// dense cache.
     Perplexity(Box<cli::perplexity::PerplexityArgs>),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming),
+    /// with continuous batching and the same KV options as generate.
+    Serve(Box<cli::serve::ServeArgs>),
 }
 
 fn main() {
@@ -48,6 +51,7 @@ fn main() {
         Command::BenchBatch(a) => cli::bench_batch::run(a),
         Command::BenchKvCache(a) => cli::bench_kv_cache::run(a),
         Command::Perplexity(a) => cli::perplexity::run(a),
+        Command::Serve(a) => cli::serve::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", cli::one_line(&e));

@@ -8,6 +8,7 @@ pub mod generate;
 pub mod output_file;
 pub mod perplexity;
 pub mod prompt_cache;
+pub mod serve;
 
 /// An error as one line: each cause of the chain (first line only, so backtraces that candle
 /// appends to its messages stay out), joined with ": ".

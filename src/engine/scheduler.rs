@@ -11,7 +11,10 @@
 //! Prompt caches: a request added with a [`CachedPrefix`] gets those prompt tokens' stored K/V
 //! rows imported into its fresh sequence when it is admitted (in chunks, like a prefill, so
 //! admission's block promise still holds) and prefills only the rest; a saved history thus
-//! joins a running batch like any other request. A request marked with
+//! joins a running batch like any other request. With the cache's automatic prefix reuse on
+//! ([`PagedKvCache::enable_prefix_cache`]), a request starts on the cached blocks that hold
+//! the longest whole-block prefix of its prompt and prefills only the rest; every prompt's full
+//! blocks are offered to that cache once prefilled. A request marked with
 //! [`Engine::keep_prompt_kv`] has its prompt's rows exported the moment its prefill completes.
 
 use anyhow::{bail, Result};
@@ -74,6 +77,8 @@ pub struct Engine<'m> {
     errors: HashMap<SeqId, String>,
     /// Decode no sequence while another is still prefilling (see [`Engine::prefill_first`]).
     prefill_first: bool,
+    /// Prompt tokens each request took from the automatic prefix cache (when any).
+    reused: HashMap<SeqId, usize>,
 }
 
 impl<'m> Engine<'m> {
@@ -94,6 +99,7 @@ impl<'m> Engine<'m> {
             prompt_kv: HashMap::new(),
             errors: HashMap::new(),
             prefill_first: false,
+            reused: HashMap::new(),
         })
     }
 
@@ -173,6 +179,12 @@ impl<'m> Engine<'m> {
         self.prompt_kv.remove(&id)
     }
 
+    /// Prompt tokens request `id` took from the automatic prefix cache (0 if none); asked
+    /// once, when it ends.
+    pub fn take_reused_tokens(&mut self, id: SeqId) -> usize {
+        self.reused.remove(&id).unwrap_or(0)
+    }
+
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
@@ -246,7 +258,24 @@ impl<'m> Engine<'m> {
                     }
                     p.tokens
                 }
-                None => 0,
+                // Leave two tokens to prefill: a lone token would take the decode path, whose
+                // rounding differs (see `prefill_take`).
+                None => {
+                    let max = req.prompt.len().saturating_sub(2);
+                    let n = match self.cache.attach_prefix(id, &req.prompt, max) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            self.cache.remove_sequence(id);
+                            return Err(e.into());
+                        }
+                    };
+                    if n > 0 {
+                        self.stats.prefix_hits += 1;
+                        self.stats.prefix_tokens += n;
+                        self.reused.insert(id, n);
+                    }
+                    n
+                }
             };
             let lifetime_blocks = self.lifetime_blocks(&req);
             self.running.push(Running {
@@ -401,6 +430,9 @@ impl<'m> Engine<'m> {
         }
         // Before finishing anything: a request may end on its first token.
         for id in prefilled_now {
+            if let Some(r) = self.running.iter().find(|r| r.id == id) {
+                self.cache.register_prefix(id, &r.req.prompt)?;
+            }
             if self.keep_prompt.remove(&id) {
                 let rows = self.cache.export_rows(id)?;
                 self.prompt_kv.insert(id, rows);

@@ -20,6 +20,10 @@ pub struct Stats {
     pub decode_seconds: f64,
     pub steps: usize,
     pub peak_kv_bytes: usize,
+    /// Requests that started on blocks of the automatic prefix cache, and the prompt tokens
+    /// those blocks held (not prefilled).
+    pub prefix_hits: usize,
+    pub prefix_tokens: usize,
 }
 
 impl Stats {

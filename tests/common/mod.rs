@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: where the reference data is, and running the CLI.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

@@ -33,4 +33,8 @@ mod prompt_cache;
 mod quant_golden;
 mod quant_ops;
 mod refusals;
+mod serve_api;
+mod serve_load;
+mod serve_openai;
+mod serve_prefix;
 mod text_tokenizer;

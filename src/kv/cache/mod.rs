@@ -22,7 +22,9 @@
 
 pub mod config;
 mod export;
+pub mod prefix;
 pub mod prompt_file;
+mod reuse;
 
 pub use config::{CacheConfig, KvOptions, ModelShape, PoolSizing, QuantScheme, Staging};
 
@@ -121,6 +123,8 @@ pub struct PagedKvCache {
     /// The slots of the last write, per pool written: every layer of a step writes the same
     /// ones, so they are uploaded to the device once per step, not once per layer.
     last_slots: Mutex<Vec<Arc<SlotRows>>>,
+    /// Automatic prefix reuse of main-pool blocks (see [`prefix`]), when enabled.
+    prefix: Option<prefix::PrefixIndex>,
 }
 
 impl PagedKvCache {
@@ -160,6 +164,7 @@ impl PagedKvCache {
             peak_bytes: 0,
             rotation,
             last_slots: Mutex::default(),
+            prefix: None,
         })
     }
 
@@ -193,8 +198,16 @@ impl PagedKvCache {
     /// Drops a sequence and returns its blocks to their pool at once.
     pub fn remove_sequence(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            let pool = self.pool_mut(s.pool);
-            pool.free.extend(s.blocks.into_iter().flatten().rev());
+            let blocks = s.blocks.into_iter().flatten().rev();
+            match (&mut self.prefix, s.pool) {
+                // Shared or cached blocks stay; from the table's end, so a parked chain is
+                // evicted from its end.
+                (Some(p), Pool::Main) => {
+                    let freed: Vec<u32> = blocks.filter(|&b| p.release(b)).collect();
+                    self.main.free.extend(freed);
+                }
+                _ => self.pool_mut(s.pool).free.extend(blocks),
+            }
         }
     }
 
@@ -209,7 +222,7 @@ impl PagedKvCache {
 
     /// Free blocks in the main pool.
     pub fn free_blocks(&self) -> usize {
-        self.main.free.len()
+        self.main.free.len() + self.prefix_cached_blocks()
     }
 
     /// Main-pool blocks `id` owns now.
@@ -239,7 +252,10 @@ impl PagedKvCache {
             .blocks_for(s.len + n_new)
             .saturating_sub(s.blocks.len());
         let pool = s.pool;
-        let new = self.pool_mut(pool).take(needed)?;
+        let new = match pool {
+            Pool::Main => self.take_main(needed)?,
+            Pool::Staging => self.pool_mut(pool).take(needed)?,
+        };
         let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
         s.blocks.extend(new.into_iter().map(Some));
         debug_assert!(s.blocks.len() * bs >= s.len + n_new);

@@ -1,0 +1,149 @@
+//! `kvq serve`: flags → [`crate::server::ServeOptions`] and a loader for the engine thread.
+
+use anyhow::{bail, Result};
+use clap::Args;
+
+use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use crate::engine::batch_io::parse_bytes;
+use crate::engine::scheduler::EngineConfig;
+use crate::kv::cache::PagedKvCache;
+use crate::model::load::load;
+use crate::server::api::Defaults;
+use crate::server::{serve, ServeOptions};
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1", value_name = "ADDR")]
+    pub host: String,
+
+    /// Port to listen on (0: any free port; the one taken is printed on stderr).
+    #[arg(long, default_value_t = 8080, value_name = "PORT")]
+    pub port: u16,
+
+    /// Most requests running at once (prefilling or decoding in the same forward passes).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub max_batch: usize,
+
+    /// Most requests waiting for a place in the batch; beyond it requests get 429 with
+    /// Retry-After.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub max_queue: usize,
+
+    /// Largest request body (e.g. 1M); larger ones get 413.
+    #[arg(long, default_value = "1M", value_name = "SIZE", value_parser = parse_bytes)]
+    pub max_body: usize,
+
+    /// Require `Authorization: Bearer KEY` on /v1/* (also read from KVQ_API_KEY).
+    #[arg(long, env = "KVQ_API_KEY", value_name = "KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Most prompt tokens per step, shared by the prefilling requests; decode tokens of running
+    /// requests ride along in the same step.
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub prefill_chunk: usize,
+
+    /// KV cache budget in bytes (e.g. 512M, 2G), allocated at start. Requests wait for room
+    /// instead of failing. Default: --max-batch requests of the whole context window, at most
+    /// a quarter of the available memory.
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub kv_memory: Option<usize>,
+
+    /// Do not keep prompts' KV blocks for reuse: every request prefills its whole prompt.
+    /// (By default full blocks of prompts stay in the pool, shared by reference count and
+    /// evicted least recently used, and a request starting with cached blocks prefills only
+    /// the rest.)
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    #[command(flatten)]
+    pub device: DeviceArgs,
+
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+pub fn run(args: &ServeArgs) -> Result<()> {
+    args.kv.validate()?;
+    let params = args.sampling.params();
+    params.validate()?;
+    if args.sampling.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    if args.api_key.as_deref() == Some("") {
+        bail!("--api-key must not be empty");
+    }
+    let opts = ServeOptions {
+        host: args.host.clone(),
+        port: args.port,
+        max_queue: args.max_queue,
+        max_body: args.max_body,
+        api_key: args.api_key.clone(),
+        engine: EngineConfig {
+            max_batch: args.max_batch,
+            prefill_chunk: args.prefill_chunk,
+        },
+        model_name: model_name(&args.model),
+        defaults: Defaults {
+            params,
+            max_tokens: args.sampling.max_tokens,
+            stop: args.sampling.stop.clone(),
+        },
+        prefix_cache: !args.no_prefix_cache,
+    };
+    let a = args.clone();
+    serve(
+        opts,
+        Box::new(move || {
+            let device = a.device.open()?;
+            let loaded = load(&a.model, &device)?;
+            let model = &loaded.model;
+            let probe = a.kv.cache_config(model, 0, a.max_batch)?;
+            let window = model.config().max_position_embeddings;
+            let blocks = budget_blocks(&a, window, probe.block_size, probe.bytes_per_block());
+            let cache = PagedKvCache::new(a.kv.cache_config(model, blocks, a.max_batch)?, &device)?;
+            eprintln!(
+                "kvq serve: {} | KV cache {} blocks of {} tokens ({} MiB)",
+                loaded.description,
+                blocks,
+                probe.block_size,
+                (blocks * probe.bytes_per_block()) >> 20
+            );
+            Ok((loaded, cache))
+        }),
+    )
+}
+
+/// The name requests use: --model as given, else the default model's.
+fn model_name(m: &ModelArgs) -> String {
+    match &m.model {
+        Some(s) => s.clone(),
+        None => crate::model::fetch::DEFAULT_MODEL_FILE
+            .trim_end_matches(".gguf")
+            .to_string(),
+    }
+}
+
+/// KV blocks to allocate: --kv-memory, or room for --max-batch requests of the whole window
+/// (one partial block each), capped at a quarter of the available memory but never below one
+/// such request.
+fn budget_blocks(a: &ServeArgs, window: usize, block_size: usize, block_bytes: usize) -> usize {
+    if let Some(bytes) = a.kv_memory {
+        return (bytes / block_bytes.max(1)).max(1);
+    }
+    let one = window.div_ceil(block_size) + 1;
+    let want = one * a.max_batch;
+    match crate::device::available_memory() {
+        Some(avail) => want.min(avail as usize / 4 / block_bytes.max(1)).max(one),
+        None => want,
+    }
+}

@@ -1,0 +1,218 @@
+//! Automatic prefix reuse: which full main-pool blocks hold which prompt tokens, how many
+//! sequences share each block, and which unshared ones to evict first.
+//!
+//! A block is keyed by a hash chain over the token ids of every block up to and including it,
+//! so a key names a whole prefix, not a block's tokens alone (the same 16 tokens after another
+//! history have other K/V). Entries keep their tokens and parent key, so a hash collision can
+//! never hand out the wrong rows. Blocks are kept as stored: a quantized block stays quantized.
+//!
+//! Ownership: `refs[b]` counts the sequences whose table holds block `b`. A registered block
+//! whose count falls to 0 is not freed but parked in the LRU list, where it stays findable until
+//! the pool needs a block and nothing is on the free list; an unregistered one goes back to the
+//! free list. This module only keeps the books; the cache moves the block ids.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+
+/// The key of the prefix made of `parent`'s prefix followed by `tokens`.
+fn chain(parent: u64, tokens: &[u32]) -> u64 {
+    // SipHash with fixed keys: stable within a run, which is all a key needs.
+    #[allow(deprecated)]
+    let mut h = std::hash::SipHasher::new_with_keys(0x6b76_7120_7072_6566, 0x6978_2063_6163_6865);
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+/// The key of the empty prefix.
+const ROOT: u64 = 0;
+
+struct Entry {
+    block: u32,
+    parent: u64,
+    tokens: Vec<u32>,
+}
+
+/// Book-keeping of shared, cached blocks of one pool.
+pub struct PrefixIndex {
+    block_size: usize,
+    refs: Vec<u32>,
+    /// Key of each registered block.
+    key: Vec<Option<u64>>,
+    entries: HashMap<u64, Entry>,
+    /// Registered blocks nobody holds, by last use (oldest first).
+    lru: BTreeMap<u64, u32>,
+    last_use: Vec<u64>,
+    clock: u64,
+}
+
+impl PrefixIndex {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            block_size,
+            refs: vec![0; num_blocks],
+            key: vec![None; num_blocks],
+            entries: HashMap::new(),
+            lru: BTreeMap::new(),
+            last_use: vec![0; num_blocks],
+            clock: 0,
+        }
+    }
+
+    /// Blocks nobody holds that still hold a cached prefix (free for the taking).
+    pub fn evictable(&self) -> usize {
+        self.lru.len()
+    }
+
+    /// A sequence takes `block` (fresh from the free list, or found by [`Self::lookup`]).
+    pub fn hold(&mut self, block: u32) {
+        let b = block as usize;
+        if self.refs[b] == 0 && self.key[b].is_some() {
+            self.lru.remove(&self.last_use[b]);
+        }
+        self.refs[b] += 1;
+    }
+
+    /// A sequence lets go of `block`; true when the block is free again (nobody holds it and
+    /// it caches nothing), false when it is still held or parked as a cached prefix.
+    pub fn release(&mut self, block: u32) -> bool {
+        let b = block as usize;
+        self.refs[b] = self.refs[b].saturating_sub(1);
+        if self.refs[b] > 0 {
+            return false;
+        }
+        if self.key[b].is_some() {
+            self.clock += 1;
+            self.last_use[b] = self.clock;
+            self.lru.insert(self.clock, block);
+            return false;
+        }
+        true
+    }
+
+    /// Takes the least recently used parked block out of the index, for reuse as a fresh one.
+    pub fn evict(&mut self) -> Option<u32> {
+        let (_, block) = self.lru.pop_first()?;
+        if let Some(k) = self.key[block as usize].take() {
+            self.entries.remove(&k);
+        }
+        Some(block)
+    }
+
+    /// The cached blocks holding the longest prefix of `tokens` made of at most `max_blocks`
+    /// full blocks, in order (not yet held: call [`Self::hold`] on each).
+    pub fn lookup(&mut self, tokens: &[u32], max_blocks: usize) -> Vec<u32> {
+        let mut found = Vec::new();
+        let mut parent = ROOT;
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let k = chain(parent, chunk);
+            match self.entries.get(&k) {
+                Some(e) if e.parent == parent && e.tokens == chunk => found.push(e.block),
+                _ => break,
+            }
+            parent = k;
+        }
+        // Used now; the deepest block gets the oldest mark, so a chain is evicted from its end.
+        for &b in found.iter().rev() {
+            self.touch(b);
+        }
+        found
+    }
+
+    /// Records that `blocks` (a sequence's table, in order) hold the K/V of `tokens` from
+    /// position 0; every full block is registered unless an equal prefix already is.
+    pub fn register(&mut self, blocks: &[u32], tokens: &[u32]) {
+        let mut parent = ROOT;
+        for (chunk, &b) in tokens.chunks_exact(self.block_size).zip(blocks) {
+            let k = chain(parent, chunk);
+            match self.entries.get(&k) {
+                // This block or an equal copy is already known: keep the first.
+                Some(e) if e.parent == parent && e.tokens == chunk => {}
+                Some(_) => break, // a hash collision: leave the rest unregistered
+                None if self.key[b as usize].is_none() => {
+                    self.entries.insert(
+                        k,
+                        Entry {
+                            block: b,
+                            parent,
+                            tokens: chunk.to_vec(),
+                        },
+                    );
+                    self.key[b as usize] = Some(k);
+                    self.touch(b);
+                }
+                None => break,
+            }
+            parent = k;
+        }
+    }
+
+    fn touch(&mut self, block: u32) {
+        let b = block as usize;
+        self.clock += 1;
+        if self.refs[b] == 0 && self.key[b].is_some() {
+            self.lru.remove(&self.last_use[b]);
+            self.lru.insert(self.clock, block);
+        }
+        self.last_use[b] = self.clock;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_blocks_are_found_by_prefix_and_parked_when_released() {
+        let mut p = PrefixIndex::new(8, 2);
+        // A sequence holds blocks 0,1,2 with tokens [1,2 | 3,4 | 5] (the last one partial).
+        for b in [0, 1, 2] {
+            p.hold(b);
+        }
+        p.register(&[0, 1, 2], &[1, 2, 3, 4, 5]);
+        assert_eq!(p.lookup(&[1, 2, 3, 4, 9, 9], 8), vec![0, 1]);
+        assert_eq!(p.lookup(&[1, 2, 7, 4], 8), vec![0]); // diverges in the second block
+        assert_eq!(p.lookup(&[3, 4], 8), Vec::<u32>::new()); // same tokens, other history
+        assert_eq!(p.lookup(&[1, 2, 3, 4], 1), vec![0]); // capped
+                                                         // Released: the registered blocks are parked, the partial one is free.
+        assert!(!p.release(0));
+        assert!(!p.release(1));
+        assert!(p.release(2));
+        assert_eq!(p.evictable(), 2);
+        // Found again and held by a second sequence: no longer evictable.
+        let got = p.lookup(&[1, 2, 3, 4], 8);
+        for &b in &got {
+            p.hold(b);
+        }
+        assert_eq!(p.evictable(), 0);
+        assert!(p.evict().is_none());
+        for &b in got.iter().rev() {
+            assert!(!p.release(b)); // the cache releases a table from its end
+        }
+        // Eviction takes the chain's end first and forgets it.
+        assert_eq!(p.evict(), Some(1));
+        assert_eq!(p.lookup(&[1, 2, 3, 4], 8), vec![0]);
+        assert_eq!(p.evict(), Some(0));
+        assert_eq!(p.lookup(&[1, 2, 3, 4], 8), Vec::<u32>::new());
+        assert_eq!(p.evictable(), 0);
+    }
+
+    #[test]
+    fn equal_prefixes_register_once_and_lru_order_follows_use() {
+        let mut p = PrefixIndex::new(8, 2);
+        for b in 0..4 {
+            p.hold(b);
+        }
+        p.register(&[0], &[1, 2]);
+        p.register(&[1], &[1, 2]); // an equal copy: stays unregistered
+        p.register(&[2], &[5, 6]);
+        assert!(!p.release(0));
+        assert!(p.release(1));
+        assert!(!p.release(2));
+        // [5,6] was parked last, then [1,2] is used again: [5,6] is now the older one.
+        assert_eq!(p.lookup(&[1, 2], 8), vec![0]);
+        assert_eq!(p.evict(), Some(2));
+        assert_eq!(p.evict(), Some(0));
+        assert!(p.release(3));
+    }
+}

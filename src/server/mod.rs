@@ -1,0 +1,129 @@
+//! `kvq serve`: the engine behind an OpenAI-compatible HTTP API (DESIGN.md §11: generate,
+//! batch-generate and serve are three front ends of one engine).
+//!
+//! Two sides joined by channels: the engine thread ([`worker`]) owns the model and the KV
+//! cache and runs steps; a tokio runtime serves HTTP ([`routes`]) and turns requests into jobs.
+//! Requests join the running batch between steps and leave it the moment they finish or their
+//! client goes away.
+
+pub mod api;
+pub mod metrics;
+pub mod routes;
+pub mod worker;
+
+use anyhow::{bail, Context, Result};
+use std::net::SocketAddr;
+use std::sync::{mpsc, Arc, Mutex};
+
+use crate::engine::scheduler::{Engine, EngineConfig};
+use crate::kv::cache::PagedKvCache;
+use crate::model::load::LoadedModel;
+use api::Defaults;
+use metrics::Metrics;
+use routes::AppState;
+use worker::Outstanding;
+
+/// How to serve (everything but the model, which the loader passed to [`serve`] makes).
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub host: String,
+    pub port: u16,
+    /// Requests that may wait for a place in the batch before new ones get 429.
+    pub max_queue: usize,
+    /// Largest request body in bytes (413 above).
+    pub max_body: usize,
+    pub api_key: Option<String>,
+    pub engine: EngineConfig,
+    /// The name `/v1/models` lists and requests must use (or leave out).
+    pub model_name: String,
+    pub defaults: Defaults,
+    /// Keep prompts' full KV blocks for reuse by later requests (automatic prefix caching).
+    pub prefix_cache: bool,
+}
+
+/// Loads the model and its cache on the engine thread (they stay there).
+pub type Loader = Box<dyn FnOnce() -> Result<(LoadedModel, PagedKvCache)> + Send>;
+
+/// Starts the engine thread, then serves HTTP until Ctrl-C. The line
+/// `kvq serve: listening on http://ADDR` on stderr says when requests can come.
+pub fn serve(opts: ServeOptions, load: Loader) -> Result<()> {
+    if opts.engine.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    if opts.max_body == 0 {
+        bail!("--max-body must be at least 1 byte");
+    }
+    let metrics = Arc::new(Metrics::default());
+    let outstanding = Arc::new(Outstanding::default());
+    let (jobs_tx, jobs_rx) = mpsc::channel();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
+    let engine_cfg = opts.engine.clone();
+    let prefix_cache = opts.prefix_cache;
+    let (m2, o2) = (metrics.clone(), outstanding.clone());
+    let engine_thread = std::thread::Builder::new()
+        .name("kvq-engine".into())
+        .spawn(move || {
+            let loaded = match load() {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let (m, mut cache) = loaded;
+            if prefix_cache {
+                match cache.enable_prefix_cache() {
+                    Ok(()) => eprintln!("kvq serve: automatic prefix reuse on"),
+                    Err(e) => eprintln!("kvq serve: automatic prefix reuse off: {e}"),
+                }
+            }
+            let engine = match Engine::new(&m.model, cache, engine_cfg) {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            worker::run(&m, engine, jobs_rx, &m2, &o2);
+        })
+        .context("cannot start the engine thread")?;
+    ready_rx
+        .recv()
+        .context("the engine thread stopped while loading the model")??;
+
+    let state = Arc::new(AppState {
+        model: opts.model_name.clone(),
+        defaults: opts.defaults.clone(),
+        api_key: opts.api_key.clone(),
+        max_outstanding: opts.engine.max_batch + opts.max_queue,
+        jobs: Mutex::new(jobs_tx),
+        metrics,
+        outstanding,
+        next_id: Default::default(),
+    });
+    let app = routes::router(state, opts.max_body);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the HTTP runtime")?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", opts.host, opts.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} (--host/--port)"))?;
+        let local: SocketAddr = listener.local_addr()?;
+        eprintln!("kvq serve: listening on http://{local}");
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .context("the HTTP server failed")
+    })?;
+    // The state (and with it the job sender) is gone: the engine thread ends.
+    drop(rt);
+    let _ = engine_thread.join();
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! Automatic prefix reuse in `kvq serve`: a request sharing a 1,000-token prefix with an
+//! earlier one prefills only the rest (usage reports the cached tokens) and gets the same
+//! tokens as a server without reuse, with a dense and a 4-bit cache.
+
+use crate::common::server::*;
+use crate::common::*;
+use serde_json::{json, Value};
+
+/// `len` token ids of the reference corpus from `at`.
+fn corpus_ids(at: usize, len: usize) -> Vec<u32> {
+    let text =
+        std::fs::read_to_string(reference_dir().join("corpus-first65536-token-ids.txt")).unwrap();
+    text.split_whitespace()
+        .skip(at)
+        .take(len)
+        .map(|t| t.parse().unwrap())
+        .collect()
+}
+
+fn complete(s: &Server, prompt: &[u32]) -> (String, Value) {
+    let (code, v) = s.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8}),
+    );
+    assert_eq!(code, 200, "{v}");
+    (
+        v["choices"][0]["text"].as_str().unwrap().to_string(),
+        v["usage"].clone(),
+    )
+}
+
+fn shared_prefix_reuse(kv: &[&str]) {
+    let prefix = corpus_ids(0, 1000);
+    let a: Vec<u32> = [&prefix[..], &corpus_ids(5000, 40)].concat();
+    let b: Vec<u32> = [&prefix[..], &corpus_ids(9000, 25)].concat();
+    let flags = [&["--kv-memory", "256M"], kv].concat();
+
+    let cold = Server::start(&[&flags[..], &["--no-prefix-cache"]].concat());
+    let (want_a, usage) = complete(&cold, &a);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    let (want_b, usage) = complete(&cold, &b);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "reuse is off"
+    );
+    cold.assert_no_leak();
+    drop(cold);
+
+    let s = Server::start(&flags);
+    let (got_a, usage) = complete(&s, &a);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(got_a, want_a);
+    // b shares a's first 1000 tokens: 62 whole blocks of 16 come from the cache.
+    let (got_b, usage) = complete(&s, &b);
+    assert_eq!(usage["prompt_tokens"], b.len());
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 992,
+        "{usage}"
+    );
+    assert_eq!(got_b, want_b, "same tokens with and without reuse");
+    // a again: all its whole blocks but what must be left to prefill.
+    let (again, usage) = complete(&s, &a);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 1024,
+        "{usage}"
+    );
+    assert_eq!(again, want_a);
+    assert_eq!(s.metric("kvq_prefix_cache_hits_total"), 2.0);
+    assert_eq!(s.metric("kvq_prefix_cache_tokens_total"), 2016.0);
+    // Parked blocks count as free, and are listed as cached.
+    s.assert_no_leak();
+    assert!(s.main_pool("kvq_kv_blocks_prefix_cached") >= 64.0);
+}
+
+#[test]
+fn shared_prefix_reuse_dense() {
+    shared_prefix_reuse(&[]);
+}
+
+#[test]
+fn shared_prefix_reuse_kv4() {
+    shared_prefix_reuse(&["--kv-bits", "4"]);
+}

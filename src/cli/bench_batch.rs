@@ -10,6 +10,7 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
 use super::args::{DeviceArgs, KvArgs, ModelArgs};
 use crate::bench::batch::{self, Row, Shape};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes};
+use crate::kv::cache::{PagedKvCache, PoolSizing};
 use crate::model::load::load;
 
 /// Definitions printed under the table and in --help.
@@ -87,18 +88,26 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
-    args.kv.validate()?;
+    args.kv.options().validate()?;
     let device = args.device.open()?;
-    let loaded = load(&args.model, &device)?;
+    let loaded = load(&args.model.options(), &device)?;
     let model = &loaded.model;
     let shapes = batch::shapes(&npp, &ntg, &npl);
     for &s in &shapes {
         batch::check_shape(model, s)?;
     }
     let run_one = |s: Shape| -> Result<Row> {
-        let cache = args
+        let sizing = PoolSizing::Sequences {
+            tokens: batch::cache_tokens(s),
+            max_batch: s.pl,
+            chunk: args.prefill_chunk,
+        };
+        let cfg = args
             .kv
-            .build_cache(model, batch::cache_tokens(s), s.pl, args.prefill_chunk)?;
+            .options()
+            .cache_config(model.kv_shape(), model.dtype(), sizing)?;
+        super::args::check_cache_memory(&cfg, model.device())?;
+        let cache = PagedKvCache::new(cfg, model.device())?;
         batch::run_shape(model, cache, s, args.prefill_chunk)
     };
     if !args.no_warmup {
@@ -152,14 +161,14 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
 
 /// "f16 (dense)", "4-bit K / 4-bit V (rotated)" and the like, from the flags alone.
 fn kv_description(kv: &KvArgs) -> String {
-    match kv.quant_formats() {
+    match kv.options().quant_formats() {
         Ok(Some((k, v))) => format!(
             "{}-bit K / {}-bit V, group {}{}",
             k.bits(),
             v.bits(),
             k.group_size(),
             kv.kv_quant_scheme
-                .map(|s| format!(", {}", s.name()))
+                .map(|s| format!(", {}", s.scheme().name()))
                 .unwrap_or_default()
         ),
         _ => "dense (compute dtype)".into(),

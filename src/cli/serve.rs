@@ -6,7 +6,7 @@ use clap::Args;
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
 use crate::engine::batch_io::parse_bytes;
 use crate::engine::scheduler::EngineConfig;
-use crate::kv::cache::PagedKvCache;
+use crate::kv::cache::{PagedKvCache, PoolSizing};
 use crate::model::load::load;
 use crate::server::api::Defaults;
 use crate::server::{serve, ServeOptions};
@@ -70,9 +70,9 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
-    args.kv.validate()?;
+    args.kv.options().validate()?;
+    args.sampling.validate()?;
     let params = args.sampling.params();
-    params.validate()?;
     if args.sampling.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
@@ -105,12 +105,19 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         opts,
         Box::new(move || {
             let device = a.device.open()?;
-            let loaded = load(&a.model, &device)?;
+            let loaded = load(&a.model.options(), &device)?;
             let model = &loaded.model;
-            let probe = a.kv.cache_config(model, 0, a.max_batch)?;
+            let kv = a.kv.options();
+            let sizing = |blocks| PoolSizing::Blocks {
+                blocks,
+                max_batch: a.max_batch,
+            };
+            let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0))?;
             let window = model.config().max_position_embeddings;
             let blocks = budget_blocks(&a, window, probe.block_size, probe.bytes_per_block());
-            let cache = PagedKvCache::new(a.kv.cache_config(model, blocks, a.max_batch)?, &device)?;
+            let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(blocks))?;
+            super::args::check_cache_memory(&cfg, &device)?;
+            let cache = PagedKvCache::new(cfg, &device)?;
             eprintln!(
                 "kvq serve: {} | KV cache {} blocks of {} tokens ({} MiB)",
                 loaded.description,

@@ -375,6 +375,7 @@ pub fn finish_reason(r: FinishReason) -> &'static str {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
         FinishReason::Cancelled => "cancelled",
+        FinishReason::Error => "error",
     }
 }
 

@@ -20,7 +20,7 @@ use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::Engine;
 use crate::engine::text_stream::TextStream;
 use crate::kv::cache::SeqId;
-use crate::kv::layer::KvFormat;
+use crate::kv::format::KvFormat;
 use crate::model::load::LoadedModel;
 
 /// One request handed to the engine thread.

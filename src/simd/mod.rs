@@ -105,6 +105,7 @@ impl Isa {
     /// Every implementation this CPU has, narrowest first (tests run each).
     #[cfg(test)]
     pub(crate) fn all_available() -> Vec<Isa> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut v = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
@@ -129,6 +130,7 @@ impl Isa {
 
     /// The widest implementation this CPU and head dimension allow (`head_dim % 8 == 0`; 16
     /// lanes need `head_dim % 16 == 0`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     pub(crate) fn best(head_dim: usize) -> Isa {
         match Isa::widest() {
             #[cfg(target_arch = "x86_64")]

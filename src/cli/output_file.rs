@@ -83,7 +83,7 @@ pub fn check_new_file(flag: &str, path: &Path, protected: &[PathBuf], force: boo
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e).with_context(|| format!("{flag} {}", path.display())),
         Ok(m) if !m.is_file() => bail!(
-            "{flag} {} is {}: kvq writes only regular files there",
+            "{flag} {} is {}, not a regular file: kvq writes only regular files there",
             path.display(),
             kind(&m)
         ),

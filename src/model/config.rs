@@ -96,6 +96,17 @@ fn layer_kinds(
 /// Which layers slide by default when the config lists none: Gemma 2 every other layer from
 /// the first, Gemma 3 five of every six, Mistral and Phi-3 all of them (when a window is set),
 /// Qwen2 the layers from `max_window_layers` on.
+/// Most layers a config may claim: checked as soon as the count is read, before per-layer
+/// tables are built from it (the same bound `validate` applies).
+const MAX_LAYERS: usize = 1 << 16;
+
+fn check_layer_count(n: usize) -> Result<usize> {
+    if n > MAX_LAYERS {
+        bail!("model config: layer count {n} is out of range (at most {MAX_LAYERS})");
+    }
+    Ok(n)
+}
+
 fn default_sliding(arch: Arch, layers: usize, qwen2_first: usize) -> Vec<bool> {
     (0..layers)
         .map(|l| match arch {
@@ -195,7 +206,7 @@ impl ModelConfig {
         let has_q_norm = content
             .tensor_infos
             .contains_key("blk.0.attn_q_norm.weight");
-        let num_layers = get_u("block_count")?;
+        let num_layers = check_layer_count(get_u("block_count")?)?;
         let rope_theta = get_f("rope.freq_base").unwrap_or(10_000.0);
         let window = get_u("attention.sliding_window").ok().filter(|&w| w > 0);
         let sliding = match md.get(&key("attention.sliding_window_pattern")) {
@@ -343,7 +354,7 @@ impl ModelConfig {
             None => None,
             Some(rs) => bail!("unsupported rope_scaling {rs}"),
         };
-        let num_layers = u("num_hidden_layers")?;
+        let num_layers = check_layer_count(u("num_hidden_layers")?)?;
         let window = v
             .get("sliding_window")
             .and_then(Value::as_u64)
@@ -465,7 +476,7 @@ impl ModelConfig {
         }
         // Sizes no real model comes near: refused before anything is allocated from them.
         for (name, v, max) in [
-            ("layer count", self.num_layers, 1 << 16),
+            ("layer count", self.num_layers, MAX_LAYERS),
             ("head count", self.num_heads, 1 << 16),
             ("head_dim", self.head_dim, 1 << 16),
             ("hidden size", self.hidden_size, 1 << 20),

@@ -264,6 +264,7 @@ mod tests {
         assert!(e.what.contains("metadata entries"), "{e}");
         let mut b = header(0, 1);
         b.extend((u32::MAX as u64).to_le_bytes());
+        b.extend([0u8; 4]); // room for the entry's type: the key length is what is wrong
         let e = check(&b).unwrap_err();
         assert!(
             e.what.contains("metadata key claims 4294967295 bytes"),

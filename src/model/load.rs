@@ -195,7 +195,7 @@ fn load_gguf(
         .with_context(|| format!("cannot open model file {}", path.display()))?
     {
         bail!(
-            "{} is not a readable GGUF model file ({e}); is it truncated or corrupt?",
+            "{} is not a readable GGUF model file ({e}): it is truncated or corrupt",
             path.display()
         );
     }
@@ -212,7 +212,7 @@ fn load_gguf(
             )
         } else {
             anyhow::anyhow!(
-                "{} is not a readable GGUF model file ({e}); is it truncated or corrupt?",
+                "{} is not a readable GGUF model file ({e}): it is truncated or corrupt",
                 path.display()
             )
         }

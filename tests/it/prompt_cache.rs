@@ -67,7 +67,8 @@ fn generate_err(prompt: &str, extra: &[&str]) -> String {
 fn save(dir: &Path, name: &str, prompt: &str, kv: &[&str]) -> (PathBuf, Vec<u32>) {
     let path = dir.join(name);
     let mut extra = kv.to_vec();
-    extra.extend(["--save-prompt-cache", path.to_str().unwrap()]);
+    // The same name is saved once per KV setting: each run replaces the last one's file.
+    extra.extend(["--save-prompt-cache", path.to_str().unwrap(), "--force"]);
     let out = generate(prompt, 2, &extra);
     assert!(path.is_file());
     (path, ids(&out["prompt_tokens"]))
@@ -122,7 +123,7 @@ fn generate_from_a_prompt_cache_equals_a_fresh_run() {
 
         // Saving again from a cached run writes the whole new prompt.
         let again = dir.path().join("again.safetensors");
-        with.extend(["--save-prompt-cache", again.to_str().unwrap()]);
+        with.extend(["--save-prompt-cache", again.to_str().unwrap(), "--force"]);
         generate(LONG, 1, &with);
         let mut from_again = kv.to_vec();
         from_again.extend(["--prompt-cache", again.to_str().unwrap()]);

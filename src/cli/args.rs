@@ -166,7 +166,12 @@ impl ModelArgs {
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
     /// Sampling temperature; 0 = greedy (always the most likely token).
-    #[arg(long = "temp", default_value_t = 0.8, value_name = "T", allow_negative_numbers = true)]
+    #[arg(
+        long = "temp",
+        default_value_t = 0.8,
+        value_name = "T",
+        allow_negative_numbers = true
+    )]
     pub temperature: f64,
 
     /// Keep only the K most likely tokens (0 = off).
@@ -174,15 +179,30 @@ pub struct SamplingArgs {
     pub top_k: usize,
 
     /// Keep the smallest set of tokens whose probability adds up to P (1 = off).
-    #[arg(long, default_value_t = 0.95, value_name = "P", allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value_t = 0.95,
+        value_name = "P",
+        allow_negative_numbers = true
+    )]
     pub top_p: f64,
 
     /// Drop tokens less likely than P times the most likely one (0 = off).
-    #[arg(long, default_value_t = 0.05, value_name = "P", allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value_t = 0.05,
+        value_name = "P",
+        allow_negative_numbers = true
+    )]
     pub min_p: f64,
 
     /// Penalise tokens seen in the last --repeat-last-n tokens (1 = off).
-    #[arg(long, default_value_t = 1.0, value_name = "X", allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        value_name = "X",
+        allow_negative_numbers = true
+    )]
     pub repeat_penalty: f32,
 
     /// How many recent tokens --repeat-penalty looks at.

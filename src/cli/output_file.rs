@@ -201,8 +201,10 @@ pub fn open_batch_output(path: &Path, resume: bool, force: bool) -> Result<Batch
     file.read_to_end(&mut bytes)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {
-        let line = e.as_bytes()[..e.utf8_error().valid_up_to()]
+        let line = e
+            .as_bytes()
             .iter()
+            .take(e.utf8_error().valid_up_to())
             .filter(|&&b| b == b'\n')
             .count()
             + 1;

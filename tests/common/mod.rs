@@ -68,8 +68,7 @@ pub fn assert_fails_with(o: &Output, what: &str, needle: &str) -> String {
     assert!(!err.contains("panicked"), "{what}: {err}");
     let last = err
         .lines()
-        .filter(|l| !l.trim().is_empty())
-        .next_back()
+        .rfind(|l| !l.trim().is_empty())
         .unwrap_or_default()
         .to_string();
     assert!(last.starts_with("error: "), "{what}: {err}");

@@ -320,12 +320,11 @@ impl PromptCacheFile {
         let load = |name: &str, cols: usize, dtype: DType| -> Result<Tensor> {
             let view = st.tensor(name).map_err(|e| self.invalid(e.to_string()))?;
             let bytes = n * cols * dtype.size_in_bytes();
-            Ok(Tensor::from_raw_buffer(
-                &view.data()[..bytes],
-                dtype,
-                &[n, cols],
-                device,
-            )?)
+            let data = view
+                .data()
+                .get(..bytes)
+                .ok_or_else(|| self.invalid(format!("{name} holds fewer than {n} rows")))?;
+            Ok(Tensor::from_raw_buffer(data, dtype, &[n, cols], device)?)
         };
         let mut out = Vec::with_capacity(self.meta.num_layers);
         for (l, f) in self.meta.formats.iter().enumerate() {
@@ -356,8 +355,13 @@ pub fn reusable_prefix(saved: &[u32], prompt: &[u32]) -> usize {
     common.min(prompt.len().saturating_sub(2))
 }
 
+/// The first 16 characters (a fingerprint read from a file may hold any text).
 fn short(fingerprint: &str) -> &str {
-    &fingerprint[..fingerprint.len().min(16)]
+    let end = fingerprint
+        .char_indices()
+        .nth(16)
+        .map_or(fingerprint.len(), |(i, _)| i);
+    fingerprint.get(..end).unwrap_or(fingerprint)
 }
 
 /// Parses and checks the header: metadata, then every tensor's dtype and shape.

@@ -101,6 +101,7 @@ pub fn run_shape(
     cache: PagedKvCache,
     s: Shape,
     prefill_chunk: usize,
+    cuda_graphs: bool,
 ) -> Result<Row> {
     check_shape(model, s)?;
     let mut engine = Engine::new(
@@ -109,6 +110,7 @@ pub fn run_shape(
         EngineConfig {
             max_batch: s.pl,
             prefill_chunk,
+            cuda_graphs,
         },
     )?;
     engine.prefill_first(true);

@@ -20,6 +20,20 @@ pub struct DeviceArgs {
     /// CPU threads for the kernels (default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+
+    /// On a CUDA device, replay decode steps as captured CUDA graphs (one launch per step
+    /// instead of hundreds); `off` launches every kernel one by one. The outputs are the same.
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
+    pub cuda_graphs: bool,
+}
+
+/// `on` / `off` for a switch flag.
+fn parse_on_off(s: &str) -> std::result::Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("'{s}' is not on or off")),
+    }
 }
 
 impl DeviceArgs {

@@ -195,6 +195,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         EngineConfig {
             max_batch: args.max_batch,
             prefill_chunk: args.prefill_chunk,
+            cuda_graphs: args.device.cuda_graphs,
         },
     )?;
 

@@ -108,7 +108,7 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
             .cache_config(model.kv_shape(), model.dtype(), sizing)?;
         super::args::check_cache_memory(&cfg, model.device())?;
         let cache = PagedKvCache::new(cfg, model.device())?;
-        batch::run_shape(model, cache, s, args.prefill_chunk)
+        batch::run_shape(model, cache, s, args.prefill_chunk, args.device.cuda_graphs)
     };
     if !args.no_warmup {
         let pl = npl.iter().copied().max().unwrap_or(1);

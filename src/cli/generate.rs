@@ -250,6 +250,7 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         EngineConfig {
             max_batch: 1,
             prefill_chunk: PREFILL_CHUNK,
+            cuda_graphs: args.device.cuda_graphs,
         },
     )?;
     let request = Request {

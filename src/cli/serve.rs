@@ -91,6 +91,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         engine: EngineConfig {
             max_batch: args.max_batch,
             prefill_chunk: args.prefill_chunk,
+            cuda_graphs: args.device.cuda_graphs,
         },
         model_name: model_name(&args.model),
         defaults: Defaults {

@@ -5,6 +5,8 @@ pub mod batch;
 pub mod batch_io;
 pub mod detok;
 pub mod device_greedy;
+#[cfg(feature = "cuda")]
+pub mod graphs;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;

@@ -21,7 +21,7 @@ use anyhow::{bail, Result};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
-use super::device_greedy::{greedy_ids, is_plain_greedy};
+use super::device_greedy::{greedy_picks, is_plain_greedy, nan_error};
 use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
@@ -36,6 +36,9 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Most prompt tokens processed per step, over all prefilling sequences.
     pub prefill_chunk: usize,
+    /// Replay decode steps as CUDA graphs on a CUDA device (`engine::graphs`); off: every
+    /// kernel launched one by one (same outputs).
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
         Self {
             max_batch: 1,
             prefill_chunk: 512,
+            cuda_graphs: true,
         }
     }
 }
@@ -79,6 +83,16 @@ pub struct Engine<'m> {
     prefill_first: bool,
     /// Prompt tokens each request took from the automatic prefix cache (when any).
     reused: HashMap<SeqId, usize>,
+    /// Captured decode steps (CUDA device, `cuda_graphs` on).
+    #[cfg(feature = "cuda")]
+    graphs: Option<super::graphs::DecodeGraphs>,
+}
+
+/// A step's results before sampling: greedy picks made on the device (`None` for a row with a
+/// NaN), or every row's logits for the host sampler.
+enum StepOut {
+    Picks(Vec<Option<u32>>),
+    Rows(Vec<Vec<f32>>),
 }
 
 impl<'m> Engine<'m> {
@@ -86,10 +100,11 @@ impl<'m> Engine<'m> {
         if cfg.max_batch == 0 || cfg.prefill_chunk == 0 {
             bail!("--max-batch and --prefill-chunk must be at least 1");
         }
+        #[cfg(feature = "cuda")]
+        let cache_is_cuda = cache.device().is_cuda();
         Ok(Self {
             model,
             cache,
-            cfg,
             next_id: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -100,6 +115,10 @@ impl<'m> Engine<'m> {
             errors: HashMap::new(),
             prefill_first: false,
             reused: HashMap::new(),
+            #[cfg(feature = "cuda")]
+            graphs: (cfg.cuda_graphs && cache_is_cuda)
+                .then(|| super::graphs::DecodeGraphs::new(cfg.max_batch)),
+            cfg,
         })
     }
 
@@ -356,23 +375,10 @@ impl<'m> Engine<'m> {
             self.cache.reserve(inp.seq, inp.tokens.len())?;
         }
         let t0 = Instant::now();
-        let logits = self
-            .model
-            .forward(&inputs, &mut self.cache, LogitsFor::Last)?;
-        // On a GPU, an all-greedy step brings back token ids only (engine::device_greedy).
-        let picks = if !logits.device().is_cpu()
-            && owners
-                .iter()
-                .all(|&i| is_plain_greedy(self.running[i].sampler.params()))
-        {
-            Some(greedy_ids(&logits)?)
-        } else {
-            None
-        };
-        let rows: Vec<Vec<f32>> = match picks {
-            Some(_) => Vec::new(),
-            None => logits.to_vec2()?,
-        };
+        let all_greedy = owners
+            .iter()
+            .all(|&i| is_plain_greedy(self.running[i].sampler.params()));
+        let out = self.run_step(&inputs, all_greedy)?;
         let elapsed = t0.elapsed();
         self.stats
             .record_step(prefill_tokens, decode_tokens, elapsed);
@@ -393,9 +399,9 @@ impl<'m> Engine<'m> {
                 prefilled_now.push(r.id);
             }
             // A request whose logits cannot be sampled (NaN) ends alone; the others go on.
-            let sampled = match &picks {
-                Some(ids) => Ok(ids[j]),
-                None => r.sampler.sample(&rows[j], &r.history),
+            let sampled = match &out {
+                StepOut::Picks(ids) => ids[j].ok_or_else(nan_error),
+                StepOut::Rows(rows) => r.sampler.sample(&rows[j], &r.history),
             };
             let tok = match sampled {
                 Ok(t) => t,
@@ -442,6 +448,34 @@ impl<'m> Engine<'m> {
             self.finish(id);
         }
         Ok(events)
+    }
+}
+
+impl Engine<'_> {
+    /// The forward pass of a step: replayed as a CUDA graph where one applies, else launched
+    /// op by op. On a GPU an all-greedy step brings back token ids only
+    /// (engine::device_greedy).
+    fn run_step(&mut self, inputs: &[SeqInput], all_greedy: bool) -> Result<StepOut> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self
+            .graphs
+            .as_mut()
+            .filter(|g| g.takes(self.model, &self.cache, inputs))
+        {
+            let s = g.step(self.model, inputs, &mut self.cache, !all_greedy)?;
+            return Ok(match s.logits {
+                Some(rows) if !all_greedy => StepOut::Rows(rows),
+                _ => StepOut::Picks(s.picks),
+            });
+        }
+        let logits = self
+            .model
+            .forward(inputs, &mut self.cache, LogitsFor::Last)?;
+        Ok(if !logits.device().is_cpu() && all_greedy {
+            StepOut::Picks(greedy_picks(&logits)?)
+        } else {
+            StepOut::Rows(logits.to_vec2()?)
+        })
     }
 }
 

@@ -9,5 +9,3 @@
 pub mod attend;
 pub mod cache;
 pub mod format;
-#[cfg(feature = "cuda")]
-pub(crate) mod kernels;

@@ -19,9 +19,13 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::{Arch, ModelConfig};
+use super::fused;
 use super::weights::{Embedding, Linear, Name, WeightMath, Weights};
-use crate::kv::attend::{paged_attention, plan_decode, SeqSlice};
+#[cfg(feature = "cuda")]
+use crate::kv::attend::FixedStep;
+use crate::kv::attend::{paged_attention, plan_decode, DecodeGroup, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
+use crate::kv::format::SlotRows;
 
 /// Q, K and V projections: three matrices, or one whose output rows are q, k, v (Phi-3).
 enum QkvProj {
@@ -94,6 +98,9 @@ pub struct Llama {
     dtype: DType,
     /// Attend prompt tokens as decode queries ([`plan_decode`]): see [`Llama::batch_invariant`].
     batch_invariant: bool,
+    /// Gemma: embeddings times √hidden, that factor rounded to the compute dtype as Gemma's
+    /// reference code does.
+    embed_scale: Option<f64>,
 }
 
 impl Llama {
@@ -117,7 +124,7 @@ impl Llama {
                     thetas.len() - 1
                 }
             };
-            let qkv = if fused {
+            let mut qkv = if fused {
                 QkvProj::Fused(w.linear(Name::Qkv(l), h, q_out + 2 * kv_out, bias)?)
             } else {
                 QkvProj::Split {
@@ -126,7 +133,7 @@ impl Llama {
                     v: w.linear(Name::V(l), h, kv_out, bias)?,
                 }
             };
-            let gate_up = if fused {
+            let mut gate_up = if fused {
                 GateUpProj::Fused(w.linear(Name::GateUp(l), h, 2 * ff, false)?)
             } else {
                 GateUpProj::Split {
@@ -134,6 +141,20 @@ impl Llama {
                     up: w.linear(Name::Up(l), h, ff, false)?,
                 }
             };
+            // On a GPU, one matmul launch for q/k/v and one for gate/up (each launch costs more
+            // host time than these small matmuls take); the CPU keeps its per-row kernels.
+            if !w.device().is_cpu() {
+                if let QkvProj::Split { q, k, v } = &qkv {
+                    if let Some(f) = Linear::stacked(&[q, k, v])? {
+                        qkv = QkvProj::Fused(f);
+                    }
+                }
+                if let GateUpProj::Split { gate, up } = &gate_up {
+                    if let Some(f) = Linear::stacked(&[gate, up])? {
+                        gate_up = GateUpProj::Fused(f);
+                    }
+                }
+            }
             let opt = |w: &mut Weights, on: bool, name: Name, len: usize| -> Result<_> {
                 Ok(if on {
                     Some(w.dense(name, &[len])?)
@@ -171,6 +192,15 @@ impl Llama {
             device: w.device().clone(),
             dtype: w.dtype(),
             batch_invariant: w.device().is_cpu(),
+            embed_scale: match gemma {
+                true => Some(
+                    Tensor::new((h as f32).sqrt(), w.device())?
+                        .to_dtype(w.dtype())?
+                        .to_dtype(DType::F64)?
+                        .to_scalar::<f64>()?,
+                ),
+                false => None,
+            },
         })
     }
 
@@ -237,11 +267,62 @@ impl Llama {
         cache: &mut PagedKvCache,
         which: LogitsFor,
     ) -> Result<Tensor> {
+        let Batch {
+            slices,
+            tokens,
+            positions,
+        } = self.begin(inputs, cache)?;
+        let t = tokens.len();
+        let ids = Tensor::from_vec(tokens, t, &self.device)?;
+        let pos = Tensor::from_vec(positions, t, &self.device)?;
+        let decode = plan_decode(cache, &slices, self.batch_invariant)?;
+        let spans: Vec<_> = slices
+            .iter()
+            .map(|s| (s.seq, s.start, s.offset, s.n))
+            .collect();
+        let (x, mlp) = self.layers(&ids, &pos, &slices, &decode, Writes::Spans(&spans), cache)?;
+        for s in &slices {
+            cache.advance(s.seq, s.n)?;
+        }
+        match which {
+            LogitsFor::All => self.head(&x, mlp.as_ref()),
+            LogitsFor::Last => {
+                let last: Vec<u32> = slices.iter().map(|s| (s.offset + s.n - 1) as u32).collect();
+                let n = last.len();
+                let last = Tensor::from_vec(last, n, &self.device)?;
+                let pick = |t: &Tensor| t.index_select(&last, 0);
+                self.head(&pick(&x)?, mlp.as_ref().map(pick).transpose()?.as_ref())
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    /// The decode step whose inputs [`FixedStep::fill`] wrote: logits `[rows, vocab]` of every
+    /// row (padding included). Launches device work only, reading `step`'s buffers and
+    /// uploading nothing, so a CUDA graph can capture it; the caller advances the cache.
+    pub fn forward_fixed(&self, step: &FixedStep, cache: &PagedKvCache) -> Result<Tensor> {
+        let (slices, decode) = step.plan();
+        let slots = step.slot_rows();
+        let (x, mlp) = self.layers(
+            &step.ids,
+            &step.pos,
+            slices,
+            &decode,
+            Writes::Fixed(&slots),
+            cache,
+        )?;
+        self.head(&x, mlp.as_ref())
+    }
+
+    /// The host side of a forward pass: each input's slice of the batch (its positions from
+    /// the cache), checked against the context window.
+    pub fn begin(&self, inputs: &[SeqInput], cache: &PagedKvCache) -> Result<Batch> {
         let cfg = &self.cfg;
-        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut batch = Vec::with_capacity(inputs.len());
+        let mut b = Batch {
+            slices: Vec::with_capacity(inputs.len()),
+            tokens: Vec::new(),
+            positions: Vec::new(),
+        };
         for inp in inputs {
             if inp.tokens.is_empty() {
                 bail!("sequence {} has no new tokens", inp.seq);
@@ -256,133 +337,206 @@ impl Llama {
                     cfg.max_position_embeddings
                 );
             }
-            let kstart = cache.first_visible(start);
-            batch.push(SeqSlice {
+            b.slices.push(SeqSlice {
                 seq: inp.seq,
-                offset: tokens.len(),
+                offset: b.tokens.len(),
                 start,
                 n,
-                kstart,
+                kstart: cache.first_visible(start),
                 slots: Default::default(),
                 mask: Default::default(),
             });
-            tokens.extend_from_slice(&inp.tokens);
-            positions.extend((start..start + n).map(|p| p as u32));
+            b.tokens.extend_from_slice(&inp.tokens);
+            b.positions.extend((start..start + n).map(|p| p as u32));
         }
-        let t = tokens.len();
-        let ids = Tensor::from_vec(tokens, t, &self.device)?;
-        let pos = Tensor::from_vec(positions, t, &self.device)?;
+        Ok(b)
+    }
+
+    /// Embedding and every layer: hidden states `[T, hidden]` of the batch's new tokens
+    /// (`ids`, `pos`: u32 `[T]`), their K/V written to `cache` as `writes` says. Returned as
+    /// `(x, mlp)` with the last residual add still to do (the head fuses it with its norm).
+    fn layers(
+        &self,
+        ids: &Tensor,
+        pos: &Tensor,
+        batch: &[SeqSlice],
+        decode: &[DecodeGroup],
+        writes: Writes<'_>,
+        cache: &PagedKvCache,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let fused_rope = fused::has_rope_qkv(ids)
+            && self.blocks.iter().all(|b| b.q_norm.is_none())
+            && self
+                .blocks
+                .iter()
+                .all(|b| matches!(b.qkv, QkvProj::Fused(_)));
         let ropes = self
             .ropes
             .iter()
             .map(|(cos, sin)| -> Result<_> {
-                Ok((
-                    cos.index_select(&pos, 0)?.to_dtype(self.dtype)?,
-                    sin.index_select(&pos, 0)?.to_dtype(self.dtype)?,
-                ))
+                Ok(match fused_rope {
+                    true => Rope::Tables(cos.clone(), sin.clone()),
+                    false => Rope::Rows(
+                        cos.index_select(pos, 0)?.to_dtype(self.dtype)?,
+                        sin.index_select(pos, 0)?.to_dtype(self.dtype)?,
+                    ),
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        let eps = cfg.rms_norm_eps as f32;
-        let (q_out, kv_out) = (nh * hd, nkv * hd);
-
-        let decode = plan_decode(cache, &batch, self.batch_invariant)?;
-        let spans: Vec<_> = batch
-            .iter()
-            .map(|s| (s.seq, s.start, s.offset, s.n))
-            .collect();
-        let mut x = self.embed.forward(&ids)?; // [T, hidden]
-        if cfg.arch.is_gemma() {
-            // √hidden, rounded to the compute dtype as Gemma's reference code does.
-            let scale = Tensor::new((cfg.hidden_size as f32).sqrt(), &self.device)?
-                .to_dtype(self.dtype)?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
+        let mut x = self.embed.forward(ids)?; // [T, hidden]
+        if let Some(scale) = self.embed_scale {
             x = x.affine(scale, 0.0)?;
         }
+        let mut mlp = None;
         for (l, b) in self.blocks.iter().enumerate() {
-            let residual = &x;
-            let hs = candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?;
-            let (q, k, v) = match &b.qkv {
-                QkvProj::Split { q, k, v } => (q.forward(&hs)?, k.forward(&hs)?, v.forward(&hs)?),
-                QkvProj::Fused(qkv) => {
-                    let y = qkv.forward(&hs)?;
-                    (
-                        y.narrow(1, 0, q_out)?.contiguous()?,
-                        y.narrow(1, q_out, kv_out)?.contiguous()?,
-                        y.narrow(1, q_out + kv_out, kv_out)?.contiguous()?,
-                    )
-                }
-            };
-            let q = q.reshape((t, nh, hd))?;
-            let k = k.reshape((t, nkv, hd))?;
-            let (q, k) = match (&b.q_norm, &b.k_norm) {
-                (Some(qn), Some(kn)) => (
-                    candle_nn::ops::rms_norm(&q.contiguous()?, qn, eps)?,
-                    candle_nn::ops::rms_norm(&k.contiguous()?, kn, eps)?,
-                ),
-                _ => (q, k),
-            };
-            // RoPE on [1, T, heads, D] with per-token cos/sin [T, D/2] of this layer's base.
-            let (cos, sin) = &ropes[b.rope];
-            let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, cos, sin)?
-                .squeeze(0)?;
-            let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, cos, sin)?
-                .squeeze(0)?
-                .reshape((t, nkv * hd))?;
-            cache.write_spans(l, &spans, &k, &v)?;
-            let attn = paged_attention(
-                &q,
+            let step = Step {
+                pos,
+                rope: &ropes[b.rope],
+                batch,
+                decode,
+                writes: &writes,
                 cache,
-                l,
-                &batch,
-                &decode,
-                cfg.attn_scale,
-                cfg.attn_softcap,
-            )?
-            .reshape((t, nh * hd))?;
-            let mut attn = b.o.forward(&attn)?;
-            if let Some(n) = &b.post_attn_norm {
-                attn = candle_nn::ops::rms_norm(&attn, n, eps)?;
-            }
-            let x1 = (attn + residual)?;
-            let hs = candle_nn::ops::rms_norm(&x1, &b.ffn_norm, eps)?;
-            let (gate, up) = match &b.gate_up {
-                GateUpProj::Split { gate, up } => (gate.forward(&hs)?, up.forward(&hs)?),
-                GateUpProj::Fused(gu) => {
-                    let y = gu.forward(&hs)?;
-                    let ff = cfg.intermediate_size;
-                    (y.narrow(1, 0, ff)?, y.narrow(1, ff, ff)?)
-                }
             };
-            let act = if cfg.arch.is_gemma() {
-                gate.gelu()? // tanh approximation (gelu_pytorch_tanh)
-            } else {
-                candle_nn::ops::silu(&gate)?
-            };
-            let mut mlp = b.down.forward(&(act * up)?.contiguous()?)?;
-            if let Some(n) = &b.post_ffn_norm {
-                mlp = candle_nn::ops::rms_norm(&mlp, n, eps)?;
+            let (x1, m) = self.block(l, b, &x, mlp.as_ref(), &step)?;
+            (x, mlp) = (x1, Some(m));
+        }
+        Ok((x, mlp))
+    }
+
+    /// One decoder layer. Input: the residual stream `x` plus the previous layer's MLP output
+    /// `mlp` not yet added (added here, fused with this layer's first norm). Returns this
+    /// layer's `(x + attention, mlp output)`, again with the last add left to the next layer.
+    fn block(
+        &self,
+        l: usize,
+        b: &Block,
+        x: &Tensor,
+        mlp: Option<&Tensor>,
+        s: &Step<'_>,
+    ) -> Result<(Tensor, Tensor)> {
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (q_out, kv_out) = (nh * hd, nkv * hd);
+        let eps = cfg.rms_norm_eps as f32;
+        let (x, hs) = fused::add_rms_norm(x, mlp, &b.attn_norm, eps)?;
+        let t = x.dim(0)?;
+        let (q, k, v) = match (&b.qkv, s.rope) {
+            (QkvProj::Fused(qkv), Rope::Tables(cos, sin)) => {
+                fused::rope_qkv(&qkv.forward(&hs)?, s.pos, (cos, sin), nh, nkv, hd)?
             }
-            x = (mlp + x1)?;
-        }
-        for s in &batch {
-            cache.advance(s.seq, s.n)?;
-        }
-        let x = match which {
-            LogitsFor::All => x,
-            LogitsFor::Last => {
-                let last: Vec<u32> = batch.iter().map(|s| (s.offset + s.n - 1) as u32).collect();
-                let n = last.len();
-                x.index_select(&Tensor::from_vec(last, n, &self.device)?, 0)?
+            (qkv, Rope::Rows(cos, sin)) => {
+                let (q, k, v) = match qkv {
+                    QkvProj::Split { q, k, v } => {
+                        (q.forward(&hs)?, k.forward(&hs)?, v.forward(&hs)?)
+                    }
+                    QkvProj::Fused(qkv) => {
+                        let y = qkv.forward(&hs)?;
+                        (
+                            y.narrow(1, 0, q_out)?.contiguous()?,
+                            y.narrow(1, q_out, kv_out)?.contiguous()?,
+                            y.narrow(1, q_out + kv_out, kv_out)?.contiguous()?,
+                        )
+                    }
+                };
+                let q = q.reshape((t, nh, hd))?;
+                let k = k.reshape((t, nkv, hd))?;
+                let (q, k) = match (&b.q_norm, &b.k_norm) {
+                    (Some(qn), Some(kn)) => (
+                        candle_nn::ops::rms_norm(&q.contiguous()?, qn, eps)?,
+                        candle_nn::ops::rms_norm(&k.contiguous()?, kn, eps)?,
+                    ),
+                    _ => (q, k),
+                };
+                // RoPE on [1, T, heads, D] with per-token cos/sin [T, D/2] of this layer's base.
+                let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, cos, sin)?
+                    .squeeze(0)?;
+                let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, cos, sin)?
+                    .squeeze(0)?
+                    .reshape((t, nkv * hd))?;
+                (q, k, v)
+            }
+            (QkvProj::Split { .. }, Rope::Tables(..)) => {
+                bail!("layer {l}: fused RoPE needs a stacked q/k/v projection")
             }
         };
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        match s.writes {
+            Writes::Spans(spans) => s.cache.write_spans(l, spans, &k, &v)?,
+            Writes::Fixed(slots) => s.cache.write_fixed(l, slots, &k, &v)?,
+        }
+        let attn = paged_attention(
+            &q,
+            s.cache,
+            l,
+            s.batch,
+            s.decode,
+            cfg.attn_scale,
+            cfg.attn_softcap,
+        )?
+        .reshape((t, nh * hd))?;
+        let mut attn = b.o.forward(&attn)?;
+        if let Some(n) = &b.post_attn_norm {
+            attn = candle_nn::ops::rms_norm(&attn, n, eps)?;
+        }
+        let (x1, hs) = fused::add_rms_norm(&attn, Some(&x), &b.ffn_norm, eps)?;
+        let gemma = cfg.arch.is_gemma();
+        let act = match &b.gate_up {
+            GateUpProj::Split { gate, up } => {
+                fused::glu_split(&gate.forward(&hs)?, &up.forward(&hs)?, gemma)?
+            }
+            GateUpProj::Fused(gu) => fused::glu(&gu.forward(&hs)?, cfg.intermediate_size, gemma)?,
+        };
+        let mut mlp = b.down.forward(&act)?;
+        if let Some(n) = &b.post_ffn_norm {
+            mlp = candle_nn::ops::rms_norm(&mlp, n, eps)?;
+        }
+        Ok((x1, mlp))
+    }
+
+    /// The last residual add (`x + mlp`), final norm, output projection and soft-capping: f32
+    /// logits of the rows of `x`.
+    fn head(&self, x: &Tensor, mlp: Option<&Tensor>) -> Result<Tensor> {
+        let eps = self.cfg.rms_norm_eps as f32;
+        let (_, x) = fused::add_rms_norm(x, mlp, &self.norm, eps)?;
         let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
-        Ok(match cfg.final_softcap {
+        Ok(match self.cfg.final_softcap {
             Some(c) => ((logits / c as f64)?.tanh()? * c as f64)?,
             None => logits,
         })
     }
+}
+
+/// The host side of a forward pass ([`Llama::begin`]).
+pub struct Batch {
+    pub slices: Vec<SeqSlice>,
+    /// New tokens of every sequence, flattened in input order.
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+}
+
+/// What every layer of one forward pass shares.
+struct Step<'a> {
+    pos: &'a Tensor,
+    rope: &'a Rope,
+    batch: &'a [SeqSlice],
+    decode: &'a [DecodeGroup],
+    writes: &'a Writes<'a>,
+    cache: &'a PagedKvCache,
+}
+
+/// A RoPE base's cos/sin: the f32 tables `[positions, D/2]` for the fused kernel, or the
+/// batch's rows of them in the compute dtype `[T, D/2]` for candle's `rope_thd`.
+enum Rope {
+    Tables(Tensor, Tensor),
+    Rows(Tensor, Tensor),
+}
+
+/// How a forward pass writes the new K/V rows into the cache.
+enum Writes<'a> {
+    /// `(seq, start, offset, n)` per sequence ([`PagedKvCache::write_spans`]).
+    Spans(&'a [(SeqId, usize, usize, usize)]),
+    /// A fixed step's slots, through their device copy only ([`PagedKvCache::write_fixed`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Fixed(&'a SlotRows),
 }
 
 /// cos/sin of `position * inv_freq` for every position of the window, f32 `[P, D/2]`, for

@@ -5,6 +5,7 @@ pub mod chat;
 pub mod config;
 pub mod fetch;
 pub mod fingerprint;
+pub mod fused;
 pub mod gguf_check;
 pub mod hub;
 pub mod llama;

@@ -166,6 +166,60 @@ impl Linear {
         }
     }
 
+    /// The projections `parts` stacked along their outputs (`[Σ out, in]`, outputs in `parts`'
+    /// order), so one matmul launch computes them all; `None` where they cannot be stacked
+    /// (kvq's CPU block kernels, mixed GGUF types or input widths, some with a bias and some
+    /// without). GGUF weights stack as their raw blocks: each output row is a whole run of
+    /// blocks, so the stacked rows are the parts' rows, bit for bit.
+    pub fn stacked(parts: &[&Linear]) -> Result<Option<Linear>> {
+        let biases: Vec<&Tensor> = parts.iter().filter_map(|l| l.b.as_ref()).collect();
+        if parts.is_empty() || !(biases.is_empty() || biases.len() == parts.len()) {
+            return Ok(None);
+        }
+        let b = match biases.is_empty() {
+            true => None,
+            false => Some(Tensor::cat(&biases, 0)?),
+        };
+        let qs: Vec<&QTensor> = parts
+            .iter()
+            .filter_map(|l| match &l.w {
+                Weight::Candle(QMatMul::QTensor(q)) => Some(q.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if qs.len() == parts.len() {
+            let (dtype, dims) = (qs[0].dtype(), qs[0].shape().dims2()?);
+            let mut rows = 0;
+            let mut data = Vec::new();
+            for q in &qs {
+                let (r, c) = q.shape().dims2()?;
+                if q.dtype() != dtype || c != dims.1 {
+                    return Ok(None);
+                }
+                rows += r;
+                data.extend_from_slice(&q.data()?);
+            }
+            let dev = qs[0].device();
+            let storage = QStorage::from_data(std::borrow::Cow::Owned(data), &dev, dtype)?;
+            let q = QTensor::new(storage, (rows, dims.1))?;
+            return Ok(Some(Linear::candle(QMatMul::from_qtensor(q)?, b)));
+        }
+        let ws: Vec<&Tensor> = parts
+            .iter()
+            .filter_map(|l| match &l.w {
+                Weight::Candle(QMatMul::Tensor(w)) => Some(w),
+                _ => None,
+            })
+            .collect();
+        if ws.len() == parts.len() && ws.iter().all(|w| w.dim(1).ok() == ws[0].dim(1).ok()) {
+            return Ok(Some(Linear::candle(
+                QMatMul::Tensor(Tensor::cat(&ws, 0)?),
+                b,
+            )));
+        }
+        Ok(None)
+    }
+
     /// `x`: [T, in] → [T, out]. Dense weights on the CPU (f32, f16, bf16) go through
     /// [`row_matmul`](crate::ops::row_matmul), GGUF blocks through [`crate::ops::gguf`] (same
     /// summation order), so each output row depends only on its own input row, however many rows

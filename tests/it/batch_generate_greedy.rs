@@ -130,6 +130,7 @@ fn batched_greedy_equals_alone() {
         EngineConfig {
             max_batch: 8,
             prefill_chunk: 64,
+            ..Default::default()
         },
         8 * 20,
     );

@@ -177,6 +177,7 @@ fn quantized_batched_greedy_equals_alone() {
             EngineConfig {
                 max_batch: 8,
                 prefill_chunk: 32,
+                ..Default::default()
             },
             8 * 10,
         );

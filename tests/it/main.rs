@@ -21,6 +21,8 @@ mod batch_logits;
 mod cli_bench_batch;
 mod cli_bench_kv_cache;
 mod cli_errors;
+#[cfg(feature = "cuda")]
+mod cuda_graphs;
 mod fuzz_parsers;
 mod generate_reference;
 mod generate_reference_blocks;

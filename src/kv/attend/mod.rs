@@ -8,10 +8,14 @@
 
 pub mod decode;
 pub mod dense;
+#[cfg(feature = "cuda")]
+pub mod fixed;
 pub mod plan;
 
 pub use decode::{decode_attention, decode_attention_rotated};
 pub use dense::attend_one;
+#[cfg(feature = "cuda")]
+pub use fixed::FixedStep;
 pub use plan::{plan_decode, DecodeGroup, SeqSlice};
 
 use candle_core::{Result, Tensor};

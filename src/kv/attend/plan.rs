@@ -129,6 +129,6 @@ pub fn plan_decode(
 }
 
 /// First position a query at `pos` sees through a window of `window` positions (if any).
-fn first_visible(window: Option<usize>, pos: usize) -> usize {
+pub(super) fn first_visible(window: Option<usize>, pos: usize) -> usize {
     window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }

@@ -410,6 +410,20 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// Writes a decode step's new rows `k`, `v` (`[n, width]`, row `i` into slot `slots[i]`,
+    /// every sequence in the main pool) through the slots' device copy only
+    /// ([`LayerKv::write_slots_on_device`]): what a captured CUDA graph of the step replays.
+    pub fn write_fixed(
+        &self,
+        layer: usize,
+        slots: &SlotRows,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let rot = self.rotation(layer, true);
+        Ok(self.pool(Pool::Main).layers[layer].write_slots_on_device(slots, k, v, rot)?)
+    }
+
     /// Records that `n` tokens were appended to `id` (after every layer wrote them), and lets
     /// go of blocks that slid out of the window.
     pub fn advance(&mut self, id: SeqId, n: usize) -> Result<()> {

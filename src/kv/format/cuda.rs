@@ -9,7 +9,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
 
-use crate::kv::kernels::{aligned, dtype_suffix, kernel, Module};
+use crate::device::kernels::{aligned, dtype_suffix, kernel, Module};
 
 const THREADS: u32 = 256;
 /// Chunks of 8 values per quantize thread (`KVQ_Q_UNROLL` in kernels/quant.cu).

@@ -164,6 +164,16 @@ impl SlotRows {
         }
     }
 
+    /// Slots whose device copies already exist: `dev` (u32 `[n]`) and `wide` (u32
+    /// `[n, width]`, each slot repeated along its row), e.g. buffers a captured CUDA graph reads.
+    pub fn preset(host: Vec<u32>, dev: Tensor, wide: Tensor) -> Self {
+        SlotRows {
+            host,
+            dev: dev.into(),
+            wide: wide.into(),
+        }
+    }
+
     pub fn as_slice(&self) -> &[u32] {
         &self.host
     }

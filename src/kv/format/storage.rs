@@ -126,6 +126,29 @@ impl LayerKv {
         }
     }
 
+    /// Writes row `i` of `k`, `v` into slot `rows[i]` addressing the pool only through the
+    /// slots' device copy: no choice here depends on the slot values (dense pools always take
+    /// the scatter), so a captured CUDA graph of it serves any slots. `rot`: the rotated scheme.
+    pub fn write_slots_on_device(
+        &self,
+        rows: &SlotRows,
+        k: &Tensor,
+        v: &Tensor,
+        rot: Option<&Rotation>,
+    ) -> Result<()> {
+        match (self, rot) {
+            (LayerKv::Dense { k: pk, v: pv }, None) => {
+                super::scatter::scatter_rows(pk, rows, k)?;
+                super::scatter::scatter_rows(pv, rows, v)
+            }
+            (LayerKv::Dense { .. }, Some(r)) => {
+                self.write_slots_on_device(rows, &r.rotate(k)?, &r.rotate(v)?, None)
+            }
+            (LayerKv::Affine { .. }, Some(r)) => self.write_slots_rotated(rows, k, v, r),
+            (LayerKv::Affine { .. }, None) => self.write_slots(rows, k, v),
+        }
+    }
+
     /// [`LayerKv::write_slots`] of `k`, `v` rotated by `rot` (the rotated scheme): one fused
     /// rotate-and-quantize launch for both where there is one ([`fused_rotation`]), else the
     /// rotation as a matmul and then the write.

@@ -2,9 +2,9 @@
 //! (sequence × KV head, position split, query-head chunk), then `decode_merge`.
 
 use super::Dims;
+use crate::device::kernels::{aligned, decode_override, dtype_suffix, kernel, Module};
 use crate::kv::format::rotation::Rotation;
 use crate::kv::format::LayerKv;
-use crate::kv::kernels::{aligned, decode_override, dtype_suffix, kernel, Module};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
@@ -395,7 +395,12 @@ fn counters(dev: &CudaDevice, n: usize) -> Result<MutexGuard<'static, Counters>>
         .expect("poisoned counters");
     let have = m.get(&dev.id()).map_or(0, |c| c.len());
     if have < n {
-        m.insert(dev.id(), dev.alloc_zeros::<u32>(n.next_power_of_two())?);
+        // At least 64K (256 KiB, more than any batch here needs) from the start: a buffer
+        // that moves would leave captured CUDA graphs pointing at the old one.
+        m.insert(
+            dev.id(),
+            dev.alloc_zeros::<u32>(n.next_power_of_two().max(1 << 16))?,
+        );
     }
     Ok(m)
 }

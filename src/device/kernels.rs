@@ -17,6 +17,10 @@ pub(crate) enum Module {
     Quant,
     /// kernels/decode.cu: decode attention over the paged pool.
     Decode,
+    /// kernels/sample.cu: token picks on the device.
+    Sample,
+    /// kernels/fused.cu: fused decoder ops (model::fused).
+    Fused,
 }
 
 impl Module {
@@ -24,6 +28,8 @@ impl Module {
         match self {
             Module::Quant => include_bytes!(concat!(env!("OUT_DIR"), "/quant.fatbin")),
             Module::Decode => include_bytes!(concat!(env!("OUT_DIR"), "/decode.fatbin")),
+            Module::Sample => include_bytes!(concat!(env!("OUT_DIR"), "/sample.fatbin")),
+            Module::Fused => include_bytes!(concat!(env!("OUT_DIR"), "/fused.fatbin")),
         }
     }
 }

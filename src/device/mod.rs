@@ -1,6 +1,12 @@
-//! Opening compute devices the way kvq uses them.
+//! Opening compute devices the way kvq uses them; on CUDA builds also the loader of kvq's own
+//! kernels ([`kernels`]) and captured decode steps ([`graph`]).
 
 use candle_core::{Device, Result};
+
+#[cfg(feature = "cuda")]
+pub mod graph;
+#[cfg(feature = "cuda")]
+pub(crate) mod kernels;
 
 /// CUDA device `ordinal`, without cudarc's per-tensor event tracking.
 ///

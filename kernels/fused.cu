@@ -1,0 +1,104 @@
+// kvq: fused decoder ops for CUDA — each replaces two to six of candle's one-op launches in
+// every layer (src/model/fused.rs says which and why).
+//
+// add_rms_norm_T: per row, s = x + r (rounded to T, as candle's add) and
+//   y = s * rsqrt(mean(s^2) + eps) * w (f32 inside, one rounding), as candle's rmsnorm kernel.
+// rope_qkv_T: from the rows of a stacked q|k|v projection [T, (H + 2 KVH) * D], the rotated q
+//   [T, H, D], rotated k and plain v [T, KVH * D], with RoPE (halves layout) at each row's own
+//   position; the arithmetic is candle's rope_thd in T exactly (cos/sin rounded to T).
+// glu_T: y = act(g) * u from the rows of a stacked gate|up projection [T, 2F] (act: SiLU, or
+//   GELU tanh for Gemma), f32 inside, one rounding.
+#include "common.cuh"
+
+template <typename T>
+__device__ __forceinline__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ r,
+                                             const T* __restrict__ w, T* __restrict__ s,
+                                             T* __restrict__ y, int cols, float eps) {
+    __shared__ float part[32];
+    const size_t row = blockIdx.x;
+    x += row * cols;
+    y += row * cols;
+    if (r != nullptr) {
+        r += row * cols;
+        s += row * cols;
+    }
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = to_f(x[c]);
+        if (r != nullptr) {
+            T sum = from_f<T>(v + to_f(r[c]));
+            s[c] = sum;
+            v = to_f(sum);
+        }
+        acc += v * v;
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    acc = lane < (int)(blockDim.x / 32) ? part[lane] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    const float scale = rsqrtf(acc / cols + eps);
+    const T* src = r != nullptr ? s : x;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        y[c] = from_f<T>(scale * to_f(src[c]) * to_f(w[c]));
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void rope_qkv(const T* __restrict__ qkv, const uint32_t* __restrict__ pos,
+                                         const float* __restrict__ cos, const float* __restrict__ sin,
+                                         T* __restrict__ q, T* __restrict__ k, T* __restrict__ v,
+                                         int heads, int kv_heads, int d) {
+    // grid (T, H + 2 KVH), block D/2: one thread per rotated pair.
+    const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = d / 2;
+    const int width = (heads + 2 * kv_heads) * d;
+    const T* src = qkv + (size_t)t * width + (size_t)h * d;
+    if (h >= heads + kv_heads) {
+        T* dst = v + ((size_t)t * kv_heads + (h - heads - kv_heads)) * d;
+        dst[i] = src[i];
+        dst[i + half] = src[i + half];
+        return;
+    }
+    T* dst = h < heads ? q + ((size_t)t * heads + h) * d : k + ((size_t)t * kv_heads + (h - heads)) * d;
+    const size_t cs = (size_t)pos[t] * half + i;
+    const T c = from_f<T>(cos[cs]), s = from_f<T>(sin[cs]);
+    const T x1 = src[i], x2 = src[i + half];
+    dst[i] = x1 * c - x2 * s;
+    dst[i + half] = x1 * s + x2 * c;
+}
+
+template <typename T>
+__device__ __forceinline__ void glu(const T* __restrict__ gu, T* __restrict__ y, int ff, int gelu,
+                                    size_t n) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    const size_t t = idx / ff, j = idx % ff;
+    const float g = to_f(gu[t * 2 * ff + j]), u = to_f(gu[t * 2 * ff + ff + j]);
+    float a;
+    if (gelu) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        a = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
+    } else {
+        a = g / (1.f + expf(-g));
+    }
+    y[idx] = from_f<T>(a * u);
+}
+
+#define KVQ_FUSED(TNAME, T)                                                                         \
+    extern "C" __global__ void add_rms_norm_##TNAME(const T* x, const T* r, const T* w, T* s, T* y, \
+                                                    int cols, float eps) {                          \
+        add_rms_norm<T>(x, r, w, s, y, cols, eps);                                                  \
+    }                                                                                               \
+    extern "C" __global__ void rope_qkv_##TNAME(const T* qkv, const uint32_t* pos, const float* cos, \
+                                                const float* sin, T* q, T* k, T* v, int heads,      \
+                                                int kv_heads, int d) {                              \
+        rope_qkv<T>(qkv, pos, cos, sin, q, k, v, heads, kv_heads, d);                               \
+    }                                                                                               \
+    extern "C" __global__ void glu_##TNAME(const T* gu, T* y, int ff, int gelu, size_t n) {         \
+        glu<T>(gu, y, ff, gelu, n);                                                                 \
+    }
+
+KVQ_FUSED(f32, float)
+KVQ_FUSED(f16, __half)
+KVQ_FUSED(bf16, __nv_bfloat16)

@@ -1,0 +1,236 @@
+//! A decode step's device inputs in buffers that keep their addresses from step to step — what
+//! a captured CUDA graph of the step reads (docs/ARCHITECTURE.md, "One decode step").
+//!
+//! One u32 buffer per (rows, table width) holds every input of a step: token ids, positions,
+//! the write slot of each row (and that slot repeated along a K/V row, the index a dense
+//! scatter takes), context lengths, first visible positions per layer window, and the block
+//! tables. The host builds it in one vector and copies it with one upload per step. Rows past
+//! the real batch repeat row 0 (same token, position, slot and table): they write row 0's K/V
+//! again, bit for bit, into row 0's slot, and their outputs are ignored — no row of the batch
+//! depends on another, so padding changes nothing.
+
+use candle_core::{DType, Device, Result, Tensor};
+use std::sync::Arc;
+
+use super::plan::{first_visible, DecodeGroup, SeqSlice};
+use crate::kv::cache::{PagedKvCache, SeqId};
+use crate::kv::format::SlotRows;
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(format!("fixed decode step: {msg}"))
+}
+
+/// Sections are 16-byte aligned (the kernels use vector loads).
+fn align(n: usize) -> usize {
+    n.div_ceil(4) * 4
+}
+
+/// The inputs of decode steps of `rows` sequences with block tables of `width` columns.
+pub struct FixedStep {
+    rows: usize,
+    width: usize,
+    /// Distinct layer windows, in layer order of first appearance.
+    windows: Vec<Option<usize>>,
+    /// Values in one K (or V) row: the width of the scatter index.
+    kv_width: usize,
+    block_size: usize,
+    buf: Tensor,
+    host: Vec<u32>,
+    pub ids: Tensor,
+    pub pos: Tensor,
+    slots: Tensor,
+    wide: Tensor,
+    lens: Tensor,
+    starts: Vec<Tensor>,
+    tables: Tensor,
+    /// The batch of the last [`FixedStep::fill`], padded to `rows` with copies of its first.
+    batch: Vec<SeqSlice>,
+    /// Sequences in that batch before padding.
+    real: usize,
+}
+
+impl FixedStep {
+    /// Buffers for `rows` decode tokens whose block tables have at most `width` blocks.
+    pub fn new(cache: &PagedKvCache, rows: usize, width: usize) -> Result<Self> {
+        let cfg = cache.config();
+        let mut windows: Vec<Option<usize>> = Vec::new();
+        for l in 0..cfg.num_layers {
+            let w = cache.layer_window(l);
+            if !windows.contains(&w) {
+                windows.push(w);
+            }
+        }
+        let kv_width = cfg.width();
+        let sizes = [
+            rows,
+            rows,
+            rows,
+            rows * kv_width,
+            rows,
+            rows * windows.len(),
+            rows * width,
+        ];
+        let total: usize = sizes.iter().map(|&n| align(n)).sum();
+        let buf = Tensor::zeros(total, DType::U32, cache.device())?;
+        let mut at = 0;
+        let mut parts = Vec::new();
+        for n in sizes {
+            parts.push(buf.narrow(0, at, n)?);
+            at += align(n);
+        }
+        let [ids, pos, slots, wide, lens, starts, tables] =
+            <[Tensor; 7]>::try_from(parts).map_err(|_| err("sections".into()))?;
+        let starts = (0..windows.len())
+            .map(|w| starts.narrow(0, w * rows, rows))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(FixedStep {
+            rows,
+            width,
+            windows,
+            kv_width,
+            block_size: cfg.block_size,
+            host: vec![0; total],
+            buf,
+            ids,
+            pos,
+            wide: wide.reshape((rows, kv_width))?,
+            slots,
+            lens,
+            starts,
+            tables: tables.reshape((rows, width))?,
+            batch: Vec::new(),
+            real: 0,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Writes the step of `batch` (every slice one decode token; at most [`FixedStep::rows`]
+    /// of them, tables of at most `width` blocks) with its `tokens` into the buffers: one
+    /// upload. Slots and block ids are checked against the pool here, on the host.
+    pub fn fill(&mut self, cache: &PagedKvCache, batch: &[SeqSlice], tokens: &[u32]) -> Result<()> {
+        let (rows, width) = (self.rows, self.width);
+        if batch.is_empty() || batch.len() > rows || tokens.len() != batch.len() {
+            return Err(err(format!(
+                "{} sequences and {} tokens for {rows} rows",
+                batch.len(),
+                tokens.len()
+            )));
+        }
+        let bs = self.block_size;
+        let pool_rows = cache.config().num_blocks * bs;
+        let cache_err = |e: crate::kv::cache::CacheError| err(e.to_string());
+        let mut ids = Vec::with_capacity(rows);
+        let mut pos = Vec::with_capacity(rows);
+        let mut slots = Vec::with_capacity(rows);
+        let mut tables = Vec::with_capacity(rows * width);
+        for (s, &tok) in batch.iter().zip(tokens) {
+            if s.n != 1 || !cache.in_main_pool(s.seq).map_err(cache_err)? {
+                return Err(err(format!("sequence {} is not a main-pool decode", s.seq)));
+            }
+            let table = cache.block_table(s.seq).map_err(cache_err)?;
+            if table.len() > width {
+                return Err(err(format!(
+                    "sequence {} holds {} blocks, more than the {width} planned",
+                    s.seq,
+                    table.len()
+                )));
+            }
+            let slot = table
+                .get(s.start / bs)
+                .map(|&b| b as usize * bs + s.start % bs)
+                .filter(|&slot| slot < pool_rows)
+                .ok_or_else(|| err(format!("sequence {}: no slot for its new token", s.seq)))?;
+            ids.push(tok);
+            pos.push(s.start as u32);
+            slots.push(slot as u32);
+            tables.extend(
+                table
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat(0))
+                    .take(width),
+            );
+        }
+        for _ in batch.len()..rows {
+            ids.push(ids[0]);
+            pos.push(pos[0]);
+            slots.push(slots[0]);
+            tables.extend_from_within(0..width);
+        }
+        let host = &mut self.host;
+        let mut at = 0;
+        let mut put = |vals: &mut dyn Iterator<Item = u32>, n: usize| {
+            for (d, v) in host[at..at + n].iter_mut().zip(vals) {
+                *d = v;
+            }
+            at += align(n);
+        };
+        put(&mut ids.iter().copied(), rows);
+        put(&mut pos.iter().copied(), rows);
+        put(&mut slots.iter().copied(), rows);
+        let kvw = self.kv_width;
+        put(
+            &mut slots.iter().flat_map(|&s| std::iter::repeat_n(s, kvw)),
+            rows * kvw,
+        );
+        put(&mut pos.iter().map(|&p| p + 1), rows);
+        for w in &self.windows {
+            put(
+                &mut pos.iter().map(|&p| first_visible(*w, p as usize) as u32),
+                rows,
+            );
+        }
+        put(&mut tables.into_iter(), rows * width);
+        crate::device::graph::write_u32(&self.buf, host)?;
+        self.real = batch.len();
+        self.batch = batch.to_vec();
+        self.batch.resize(rows, batch[0].clone());
+        Ok(())
+    }
+
+    /// The step as [`super::paged_attention`] takes it: `rows` slices (padding included) and
+    /// one decode group over all of them, reading this step's buffers.
+    pub fn plan(&self) -> (&[SeqSlice], Vec<DecodeGroup>) {
+        let group = DecodeGroup {
+            main: true,
+            members: (0..self.rows).map(|i| (i, i, 1)).collect(),
+            rows: None,
+            tables: self.tables.clone(),
+            starts: self
+                .windows
+                .iter()
+                .copied()
+                .zip(self.starts.iter().cloned())
+                .collect(),
+            lens: self.lens.clone(),
+            host: Vec::new(),
+        };
+        (&self.batch, vec![group])
+    }
+
+    /// The write slots of the step's rows, device copies preset (no upload when written).
+    pub fn slot_rows(&self) -> Arc<SlotRows> {
+        Arc::new(SlotRows::preset(
+            self.slot_host(),
+            self.slots.clone(),
+            self.wide.clone(),
+        ))
+    }
+
+    fn slot_host(&self) -> Vec<u32> {
+        let at = 2 * align(self.rows);
+        self.host[at..at + self.rows].to_vec()
+    }
+
+    /// Sequences of the last fill, in row order (padding excluded).
+    pub fn seqs(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.batch.iter().take(self.real).map(|s| s.seq)
+    }
+
+    pub fn device(&self) -> &Device {
+        self.buf.device()
+    }
+}

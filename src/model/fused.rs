@@ -1,0 +1,313 @@
+//! Decoder ops that run as one kernel on CUDA (kernels/fused.cu) and as the same composition of
+//! candle ops everywhere else, where they stay bit-identical to the unfused code (the CPU's
+//! exactness and batch-invariance tests see no change).
+//!
+//! Why kernels of our own: on a GPU a decode step of a small model is bound by how many kernels
+//! it launches, not by arithmetic. Candle launches one kernel per op, so a residual add followed
+//! by an RMSNorm is two launches, RoPE on q and k from a stacked q|k|v projection six (three
+//! copies to contiguous rows, two rotations, a reshape copy), and a SwiGLU three; candle has no
+//! fused forms of these.
+
+use candle_core::{Result, Tensor};
+
+/// `(s, rms_norm(s) * w)` with `s = x + r` (or `s = x` when `r` is `None`): the residual
+/// stream and the next block's normalized input, as candle's add and `rms_norm` compute them.
+pub fn add_rms_norm(
+    x: &Tensor,
+    r: Option<&Tensor>,
+    w: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return cuda::add_rms_norm(x, r, w, eps);
+    }
+    let s = match r {
+        Some(r) => (x + r)?,
+        None => x.clone(),
+    };
+    let y = candle_nn::ops::rms_norm(&s, w, eps)?;
+    Ok((s, y))
+}
+
+/// Gated linear unit from a stacked gate|up projection `gu` `[T, 2F]`: `act(gate) * up`,
+/// `[T, F]`, with SiLU (SwiGLU) or, for `gelu`, GELU's tanh approximation (GeGLU).
+pub fn glu(gu: &Tensor, ff: usize, gelu: bool) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if gu.device().is_cuda() {
+        return cuda::glu(gu, ff, gelu);
+    }
+    glu_split(&gu.narrow(1, 0, ff)?, &gu.narrow(1, ff, ff)?, gelu)
+}
+
+/// [`glu`] of separate gate and up rows (the composition of candle ops).
+pub fn glu_split(gate: &Tensor, up: &Tensor, gelu: bool) -> Result<Tensor> {
+    let act = if gelu {
+        gate.gelu()? // tanh approximation (gelu_pytorch_tanh)
+    } else {
+        candle_nn::ops::silu(gate)?
+    };
+    (act * up)?.contiguous()
+}
+
+/// Where [`rope_qkv`] has a kernel: CUDA.
+pub fn has_rope_qkv(x: &Tensor) -> bool {
+    cfg!(feature = "cuda") && x.device().is_cuda()
+}
+
+/// From the rows of a stacked q|k|v projection `qkv` `[T, (H + 2 KVH) * D]`: q `[T, H, D]` and
+/// k `[T, KVH * D]` rotated by RoPE at positions `pos` (u32 `[T]`) with the f32 tables
+/// `cos`, `sin` `[positions, D / 2]` (halves layout, candle's `rope_thd` arithmetic), and v
+/// `[T, KVH * D]`. CUDA only ([`has_rope_qkv`]).
+pub fn rope_qkv(
+    qkv: &Tensor,
+    pos: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() {
+        return cuda::rope_qkv(qkv, pos, (cos, sin), heads, kv_heads, head_dim);
+    }
+    let _ = (qkv, pos, cos, sin, heads, kv_heads, head_dim);
+    candle_core::bail!("rope_qkv has a CUDA kernel only")
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::device::kernels::{dtype_suffix, kernel, Module};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaStorage, DType, Result, Shape, Storage, Tensor};
+    use half::{bf16, f16};
+
+    fn err(msg: String) -> candle_core::Error {
+        candle_core::Error::Msg(format!("fused op (cuda): {msg}"))
+    }
+
+    fn view<'a, T: CudaDType>(s: &'a Storage, l: &candle_core::Layout) -> Result<CudaView<'a, T>> {
+        let Storage::Cuda(c) = s else {
+            return Err(err("expected CUDA storage".into()));
+        };
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| err("non-contiguous input".into()))?;
+        Ok(c.as_cuda_slice::<T>()?.slice(a..b))
+    }
+
+    fn device(t: &Tensor) -> Result<CudaDevice> {
+        match t.device() {
+            candle_core::Device::Cuda(d) => Ok(d.clone()),
+            _ => Err(err("expected a CUDA tensor".into())),
+        }
+    }
+
+    fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+            shape,
+            BackpropOp::none(),
+            false,
+        )
+    }
+
+    fn name(op: &str, dtype: DType) -> Result<String> {
+        let t = dtype_suffix(dtype).ok_or_else(|| err(format!("unsupported dtype {dtype:?}")))?;
+        Ok(format!("{op}_{t}"))
+    }
+
+    fn int(v: usize, what: &str) -> Result<i32> {
+        i32::try_from(v).map_err(|_| err(format!("{what} {v} does not fit the kernel's int")))
+    }
+
+    pub fn add_rms_norm(
+        x: &Tensor,
+        r: Option<&Tensor>,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let x = x.contiguous()?;
+        let r = r.map(|r| r.contiguous()).transpose()?;
+        let w = w.to_dtype(x.dtype())?.contiguous()?;
+        let (rows, cols) = x.dims2()?;
+        if r.as_ref().is_some_and(|r| r.dims() != x.dims()) || w.dims() != [cols] {
+            return Err(err(format!(
+                "add_rms_norm: shapes {:?}, {:?}, {:?}",
+                x.dims(),
+                r.as_ref().map(|r| r.dims().to_vec()),
+                w.dims()
+            )));
+        }
+        if rows == 0 {
+            return Ok((x.clone(), x));
+        }
+        let dev = device(&x)?;
+        let f = kernel(&dev, Module::Fused, &name("add_rms_norm", x.dtype())?)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (cols.div_ceil(32).clamp(1, 32) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let cols_i = int(cols, "row length")?;
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let rsl = r.as_ref().map(|r| r.storage_and_layout());
+        macro_rules! launch {
+            ($t:ty) => {{
+                let (xv, wv) = (view::<$t>(&xs, xl)?, view::<$t>(&ws, wl)?);
+                let y = unsafe { dev.alloc::<$t>(rows * cols)? };
+                let mut b = f.builder();
+                let rv;
+                let s;
+                match &rsl {
+                    Some((rs, rl)) => {
+                        rv = view::<$t>(rs, rl)?;
+                        s = Some(unsafe { dev.alloc::<$t>(rows * cols)? });
+                        b.arg(&xv)
+                            .arg(&rv)
+                            .arg(&wv)
+                            .arg(s.as_ref().expect("allocated"));
+                    }
+                    None => {
+                        s = None;
+                        // No residual: null r and s (the kernel reads x).
+                        b.arg(&xv).arg(&0u64).arg(&wv).arg(&0u64);
+                    }
+                }
+                b.arg(&y).arg(&cols_i).arg(&eps);
+                unsafe { b.launch(cfg) }.w()?;
+                let s = match s {
+                    Some(s) => wrap(s, &dev, (rows, cols)),
+                    None => x.clone(),
+                };
+                (s, wrap(y, &dev, (rows, cols)))
+            }};
+        }
+        Ok(match x.dtype() {
+            DType::F32 => launch!(f32),
+            DType::F16 => launch!(f16),
+            DType::BF16 => launch!(bf16),
+            d => return Err(err(format!("unsupported dtype {d:?}"))),
+        })
+    }
+
+    pub fn glu(gu: &Tensor, ff: usize, gelu: bool) -> Result<Tensor> {
+        let gu = gu.contiguous()?;
+        let (rows, two_ff) = gu.dims2()?;
+        if two_ff != 2 * ff {
+            return Err(err(format!("glu: rows of {two_ff} for 2 x {ff}")));
+        }
+        let n = rows * ff;
+        if n == 0 {
+            return Tensor::zeros((rows, ff), gu.dtype(), gu.device());
+        }
+        let dev = device(&gu)?;
+        let f = kernel(&dev, Module::Fused, &name("glu", gu.dtype())?)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ff_i, gelu_i, n_u) = (int(ff, "intermediate size")?, i32::from(gelu), n as u64);
+        let (gs, gl) = gu.storage_and_layout();
+        macro_rules! launch {
+            ($t:ty) => {{
+                let gv = view::<$t>(&gs, gl)?;
+                let y = unsafe { dev.alloc::<$t>(n)? };
+                let mut b = f.builder();
+                b.arg(&gv).arg(&y).arg(&ff_i).arg(&gelu_i).arg(&n_u);
+                unsafe { b.launch(cfg) }.w()?;
+                wrap(y, &dev, (rows, ff))
+            }};
+        }
+        Ok(match gu.dtype() {
+            DType::F32 => launch!(f32),
+            DType::F16 => launch!(f16),
+            DType::BF16 => launch!(bf16),
+            d => return Err(err(format!("unsupported dtype {d:?}"))),
+        })
+    }
+
+    pub fn rope_qkv(
+        qkv: &Tensor,
+        pos: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        heads: usize,
+        kv_heads: usize,
+        d: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let qkv = qkv.contiguous()?;
+        let (rows, width) = qkv.dims2()?;
+        if width != (heads + 2 * kv_heads) * d || !d.is_multiple_of(2) || d > 2048 {
+            return Err(err(format!(
+                "rope_qkv: rows of {width} for ({heads} + 2 x {kv_heads}) heads of {d}"
+            )));
+        }
+        if pos.dims() != [rows] || pos.dtype() != DType::U32 {
+            return Err(err("rope_qkv: positions must be u32 [T]".into()));
+        }
+        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+        if cos.dtype() != DType::F32 || cos.dim(1)? != d / 2 || sin.dims() != cos.dims() {
+            return Err(err("rope_qkv: tables must be f32 [positions, D/2]".into()));
+        }
+        let dev = device(&qkv)?;
+        let f = kernel(&dev, Module::Fused, &name("rope_qkv", qkv.dtype())?)?;
+        let ints = [
+            int(heads, "heads")?,
+            int(kv_heads, "kv heads")?,
+            int(d, "head_dim")?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, (heads + 2 * kv_heads) as u32, 1),
+            block_dim: ((d / 2) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (xs, xl) = qkv.storage_and_layout();
+        let (ps, pl) = pos.storage_and_layout();
+        let (cs, cl) = cos.storage_and_layout();
+        let (ss, sl) = sin.storage_and_layout();
+        macro_rules! launch {
+            ($t:ty) => {{
+                let xv = view::<$t>(&xs, xl)?;
+                let (pv, cv, sv) = (
+                    view::<u32>(&ps, pl)?,
+                    view::<f32>(&cs, cl)?,
+                    view::<f32>(&ss, sl)?,
+                );
+                let q = unsafe { dev.alloc::<$t>(rows * heads * d)? };
+                let k = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
+                let v = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
+                if rows > 0 {
+                    let mut b = f.builder();
+                    b.arg(&xv)
+                        .arg(&pv)
+                        .arg(&cv)
+                        .arg(&sv)
+                        .arg(&q)
+                        .arg(&k)
+                        .arg(&v);
+                    for i in &ints {
+                        b.arg(i);
+                    }
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                (
+                    wrap(q, &dev, (rows, heads, d)),
+                    wrap(k, &dev, (rows, kv_heads * d)),
+                    wrap(v, &dev, (rows, kv_heads * d)),
+                )
+            }};
+        }
+        Ok(match qkv.dtype() {
+            DType::F32 => launch!(f32),
+            DType::F16 => launch!(f16),
+            DType::BF16 => launch!(bf16),
+            dt => return Err(err(format!("unsupported dtype {dt:?}"))),
+        })
+    }
+}

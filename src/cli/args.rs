@@ -23,7 +23,13 @@ pub struct DeviceArgs {
 
     /// On a CUDA device, replay decode steps as captured CUDA graphs (one launch per step
     /// instead of hundreds); `off` launches every kernel one by one. The outputs are the same.
-    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
+    #[arg(
+        long,
+        value_name = "on|off",
+        default_value = "on",
+        value_parser = parse_on_off,
+        action = clap::ArgAction::Set
+    )]
     pub cuda_graphs: bool,
 }
 

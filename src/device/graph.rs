@@ -6,7 +6,10 @@
 //! ([`write_u32`]); its outputs are copied into such buffers inside the graph; and everything
 //! the step allocates is allocated and freed inside the capture (candle allocates with
 //! `cuMemAllocAsync`, which a capture records as graph memory nodes). Nothing may copy from
-//! host memory or read back to it while capturing.
+//! host memory or read back to it while capturing: a recorded copy would read the host buffer's
+//! old address at every replay. Candle uploads small parameter vectors for some kernels; with
+//! its `enable_cuda_graph_htod_cache` on, an eager run of the same step before the capture
+//! leaves those on the device and the capture reuses them.
 
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUstreamCaptureMode,

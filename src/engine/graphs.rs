@@ -52,6 +52,9 @@ struct Entry {
 pub struct DecodeGraphs {
     entries: HashMap<(usize, usize), Entry>,
     max_rows: usize,
+    /// Most rows any forward pass of the engine takes (a prompt chunk plus the decode tokens
+    /// beside it): candle's grow-only matmul scratch is sized for it before any capture.
+    most_rows: usize,
     /// Scratch buffers grown to the largest shape before the first capture.
     warmed: bool,
     /// Set when a capture failed: every step runs eagerly from then on.
@@ -59,10 +62,12 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    pub fn new(max_batch: usize) -> Self {
+    pub fn new(max_batch: usize, prefill_chunk: usize) -> Self {
+        let max_rows = bucket(max_batch.max(1), usize::MAX);
         DecodeGraphs {
             entries: HashMap::new(),
-            max_rows: bucket(max_batch.max(1), usize::MAX),
+            max_rows,
+            most_rows: max_rows.max(prefill_chunk + max_batch),
             warmed: false,
             broken: false,
         }
@@ -125,6 +130,14 @@ impl DecodeGraphs {
                 let vocab = model.config().vocab_size;
                 let picks = Tensor::zeros(2 * key.0, DType::U32, cache.device())?;
                 let logits = Tensor::zeros((key.0, vocab), DType::F32, cache.device())?;
+                // Candle uploads small parameter vectors (shapes, strides) for some kernels;
+                // with its cache on, the eager run leaves them on the device, so the capture
+                // reuses those copies instead of recording host-to-device copies (and a
+                // capture that would need a new one fails instead of recording it).
+                let candle_core::Device::Cuda(cuda) = cache.device() else {
+                    anyhow::bail!("CUDA graphs need a CUDA device");
+                };
+                let _cached_params = cuda.enable_cuda_graph_htod_cache();
                 // Eagerly first: loads every kernel and computes this step's outputs.
                 run(model, &step, cache, &picks, &logits)?;
                 match capture(cache.device(), || run(model, &step, cache, &picks, &logits)) {
@@ -158,11 +171,12 @@ impl DecodeGraphs {
         )
     }
 
-    /// Before the first capture: one eager step at the largest batch (and at 8 rows, where
-    /// candle's quantized mat-vec kernels take over from its matmuls), so every grow-only
-    /// scratch buffer (candle's quantized-matmul workspaces, the decode kernel's counters) has
-    /// its final size and address when graphs record it. The rows repeat the step's first
-    /// sequence: they rewrite its new K/V with the same values and their outputs are dropped.
+    /// Before the first capture: every grow-only scratch buffer gets its final size and
+    /// address, so none moves under a captured graph — candle's quantized-matmul workspaces by
+    /// the engine's largest forward pass ([`Llama::warm_matmuls`]), then one eager step at the
+    /// largest batch and at 8 rows (where candle's mat-vec kernels take over) for the rest
+    /// (the decode kernel's counters). Those steps' rows repeat the step's first sequence:
+    /// they rewrite its new K/V with the same values and their outputs are dropped.
     fn warm(
         &mut self,
         model: &Llama,
@@ -170,6 +184,7 @@ impl DecodeGraphs {
         batch: &crate::model::llama::Batch,
         width: usize,
     ) -> Result<()> {
+        model.warm_matmuls(self.most_rows)?;
         let first = &batch.slices[..1];
         let token = &batch.tokens[..1];
         for rows in [self.max_rows.min(8), self.max_rows] {

@@ -117,7 +117,7 @@ impl<'m> Engine<'m> {
             reused: HashMap::new(),
             #[cfg(feature = "cuda")]
             graphs: (cfg.cuda_graphs && cache_is_cuda)
-                .then(|| super::graphs::DecodeGraphs::new(cfg.max_batch)),
+                .then(|| super::graphs::DecodeGraphs::new(cfg.max_batch, cfg.prefill_chunk)),
             cfg,
         })
     }

@@ -314,6 +314,32 @@ impl Llama {
         self.head(&x, mlp.as_ref())
     }
 
+    /// Runs every projection of the first layer and the output projection once on `rows` rows
+    /// of zeros: the scratch buffers candle's quantized matmuls keep between calls (grow-only)
+    /// then already have the size `rows` rows need, so no later call of at most `rows` rows
+    /// moves them — captured CUDA graphs hold their addresses.
+    pub fn warm_matmuls(&self, rows: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (h, a, ff) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
+        let zeros = |n: usize| Tensor::zeros((rows, n), self.dtype, &self.device);
+        let Some(b) = self.blocks.first() else {
+            return Ok(());
+        };
+        let mut runs: Vec<(&Linear, usize)> = vec![(&b.o, a), (&b.down, ff), (&self.lm_head, h)];
+        match &b.qkv {
+            QkvProj::Split { q, k, v } => runs.extend([(q, h), (k, h), (v, h)]),
+            QkvProj::Fused(l) => runs.push((l, h)),
+        }
+        match &b.gate_up {
+            GateUpProj::Split { gate, up } => runs.extend([(gate, h), (up, h)]),
+            GateUpProj::Fused(l) => runs.push((l, h)),
+        }
+        for (l, n) in runs {
+            drop(l.forward(&zeros(n)?)?);
+        }
+        Ok(())
+    }
+
     /// The host side of a forward pass: each input's slice of the batch (its positions from
     /// the cache), checked against the context window.
     pub fn begin(&self, inputs: &[SeqInput], cache: &PagedKvCache) -> Result<Batch> {

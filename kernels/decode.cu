@@ -42,9 +42,10 @@ template <int B> __device__ __forceinline__ uint64_t load_codes8(const unsigned 
 }
 
 // B == 0: dense rows kd / vd. Otherwise affine B-bit codes with per-group scales / biases.
-template <typename T, int B>
+// q: the queries in their own type QT, multiplied by `scale` as they are loaded.
+template <typename T, int B, typename QT>
 __device__ __forceinline__ void decode_impl(
-    const float* __restrict__ q, const T* __restrict__ kd, const T* __restrict__ vd,
+    const QT* __restrict__ q, float scale, const T* __restrict__ kd, const T* __restrict__ vd,
     const uint32_t* __restrict__ kc, const T* __restrict__ ks, const T* __restrict__ kb,
     const uint32_t* __restrict__ vc, const T* __restrict__ vs, const T* __restrict__ vb,
     const uint32_t* __restrict__ tables, const uint32_t* __restrict__ starts,
@@ -71,8 +72,8 @@ __device__ __forceinline__ void decode_impl(
     const long long p0 = (long long)start + (long long)split * split_len;
     const long long p1 = min((long long)len, p0 + split_len);
 
-    const float* qb = q + ((size_t)b * H + (size_t)kh * G + j0) * D;
-    for (int i = tid; i < gn * D; i += NT) q_s[i] = qb[i];
+    const QT* qb = q + ((size_t)b * H + (size_t)kh * G + j0) * D;
+    for (int i = tid; i < gn * D; i += NT) q_s[i] = to_f(qb[i]) * scale;
     if (tid < MAXG) { m_s[tid] = neg_inf(); l_s[tid] = 0.f; }
     if (tid == 0) bad_s = bad;
     __syncthreads();
@@ -1243,15 +1244,19 @@ KVQ_MERGE(f32, float)
 KVQ_MERGE(f16, __half)
 KVQ_MERGE(bf16, __nv_bfloat16)
 
-#define KVQ_DENSE(TNAME, T)                                                                          \
-    extern "C" __global__ void decode_##TNAME##_dense(                                              \
-        const float* q, const T* kd, const T* vd, const uint32_t* tables, const uint32_t* starts,    \
-        const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G, int D, \
-        int split_len, float* part_acc, float* part_ml) {                                           \
-        decode_impl<T, 0>(q, kd, vd, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, tables,  \
-                          starts, lens, max_blocks, num_blocks, block_size, kvh, G, D, 32,          \
-                          split_len, part_acc, part_ml);                                            \
+// Dense pools: decode_<pool type>_dense_q<query type>, queries scaled in the kernel.
+#define KVQ_DENSE_Q(TNAME, T, QNAME, QT)                                                             \
+    extern "C" __global__ void decode_##TNAME##_dense_q##QNAME(                                     \
+        const QT* q, float scale, const T* kd, const T* vd, const uint32_t* tables,                  \
+        const uint32_t* starts, const uint32_t* lens, int max_blocks, int num_blocks,                \
+        int block_size, int kvh, int G, int D, int split_len, float* part_acc, float* part_ml) {    \
+        decode_impl<T, 0, QT>(q, scale, kd, vd, nullptr, nullptr, nullptr, nullptr, nullptr,        \
+                              nullptr, tables, starts, lens, max_blocks, num_blocks, block_size,    \
+                              kvh, G, D, 32, split_len, part_acc, part_ml);                         \
     }
+#define KVQ_DENSE(TNAME, T)                                                                          \
+    KVQ_DENSE_Q(TNAME, T, f32, float) KVQ_DENSE_Q(TNAME, T, f16, __half)                            \
+    KVQ_DENSE_Q(TNAME, T, bf16, __nv_bfloat16)
 
 #define KVQ_AFFINE(TNAME, T, B)                                                                      \
     extern "C" __global__ void decode_##TNAME##_b##B(                                               \
@@ -1259,7 +1264,8 @@ KVQ_MERGE(bf16, __nv_bfloat16)
         const T* vs, const T* vb, const uint32_t* tables, const uint32_t* starts,                   \
         const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G, int D, \
         int group, int split_len, float* part_acc, float* part_ml) {                                \
-        decode_impl<T, B>(q, nullptr, nullptr, kc, ks, kb, vc, vs, vb, tables, starts, lens,        \
+        decode_impl<T, B, float>(q, 1.f, nullptr, nullptr, kc, ks, kb, vc, vs, vb, tables, starts,  \
+                                 lens,                                                              \
                           max_blocks, num_blocks, block_size, kvh, G, D, group, split_len,          \
                           part_acc, part_ml);                                                       \
     }

@@ -4,8 +4,9 @@
 // add_rms_norm_T: per row, s = x + r (rounded to T, as candle's add) and
 //   y = s * rsqrt(mean(s^2) + eps) * w (f32 inside, one rounding), as candle's rmsnorm kernel.
 // rope_qkv_T: from the rows of a stacked q|k|v projection [T, (H + 2 KVH) * D], the rotated q
-//   [T, H, D], rotated k and plain v [T, KVH * D], with RoPE (halves layout) at each row's own
-//   position; the arithmetic is candle's rope_thd in T exactly (cos/sin rounded to T).
+//   [T, H, D], rotated k and plain v [T, KVH * D] (or their rows written straight into a dense
+//   cache pool at given slots), with RoPE (halves layout) at each row's own position; the
+//   arithmetic is candle's rope_thd in T exactly (cos/sin rounded to T).
 // glu_T: y = act(g) * u from the rows of a stacked gate|up projection [T, 2F] (act: SiLU, or
 //   GELU tanh for Gemma), f32 inside, one rounding.
 #include "common.cuh"
@@ -49,18 +50,21 @@ template <typename T>
 __device__ __forceinline__ void rope_qkv(const T* __restrict__ qkv, const uint32_t* __restrict__ pos,
                                          const float* __restrict__ cos, const float* __restrict__ sin,
                                          T* __restrict__ q, T* __restrict__ k, T* __restrict__ v,
-                                         int heads, int kv_heads, int d) {
-    // grid (T, H + 2 KVH), block D/2: one thread per rotated pair.
+                                         const uint32_t* __restrict__ slots, int heads,
+                                         int kv_heads, int d) {
+    // grid (T, H + 2 KVH), block D/2: one thread per rotated pair. K and V go to row t of k / v,
+    // or with `slots` straight into row slots[t] of a dense cache pool.
     const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = d / 2;
     const int width = (heads + 2 * kv_heads) * d;
+    const size_t row = slots != nullptr ? (size_t)slots[t] : (size_t)t;
     const T* src = qkv + (size_t)t * width + (size_t)h * d;
     if (h >= heads + kv_heads) {
-        T* dst = v + ((size_t)t * kv_heads + (h - heads - kv_heads)) * d;
+        T* dst = v + (row * kv_heads + (h - heads - kv_heads)) * d;
         dst[i] = src[i];
         dst[i + half] = src[i + half];
         return;
     }
-    T* dst = h < heads ? q + ((size_t)t * heads + h) * d : k + ((size_t)t * kv_heads + (h - heads)) * d;
+    T* dst = h < heads ? q + ((size_t)t * heads + h) * d : k + (row * kv_heads + (h - heads)) * d;
     const size_t cs = (size_t)pos[t] * half + i;
     const T c = from_f<T>(cos[cs]), s = from_f<T>(sin[cs]);
     const T x1 = src[i], x2 = src[i + half];
@@ -91,9 +95,10 @@ __device__ __forceinline__ void glu(const T* __restrict__ gu, T* __restrict__ y,
         add_rms_norm<T>(x, r, w, s, y, cols, eps);                                                  \
     }                                                                                               \
     extern "C" __global__ void rope_qkv_##TNAME(const T* qkv, const uint32_t* pos, const float* cos, \
-                                                const float* sin, T* q, T* k, T* v, int heads,      \
-                                                int kv_heads, int d) {                              \
-        rope_qkv<T>(qkv, pos, cos, sin, q, k, v, heads, kv_heads, d);                               \
+                                                const float* sin, T* q, T* k, T* v,                 \
+                                                const uint32_t* slots, int heads, int kv_heads,     \
+                                                int d) {                                            \
+        rope_qkv<T>(qkv, pos, cos, sin, q, k, v, slots, heads, kv_heads, d);                        \
     }                                                                                               \
     extern "C" __global__ void glu_##TNAME(const T* gu, T* y, int ff, int gelu, size_t n) {         \
         glu<T>(gu, y, ff, gelu, n);                                                                 \

@@ -75,6 +75,38 @@ pub fn rope_qkv(
     candle_core::bail!("rope_qkv has a CUDA kernel only")
 }
 
+/// [`rope_qkv`] writing the rotated k and the v rows straight into a dense cache layer: row `i`
+/// into row `slots[i]` (u32 `[T]`, on the device) of `k_pool`, `v_pool` (`[slots, KVH * D]`, the
+/// projection's dtype); returns q. One launch instead of the rotation and two scatters. CUDA
+/// only ([`has_rope_qkv`]).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_qkv_into(
+    qkv: &Tensor,
+    pos: &Tensor,
+    tables: (&Tensor, &Tensor),
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    (k_pool, v_pool, slots): (&Tensor, &Tensor, &Tensor),
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() {
+        return cuda::rope_qkv_into(
+            qkv,
+            pos,
+            tables,
+            heads,
+            kv_heads,
+            head_dim,
+            (k_pool, v_pool, slots),
+        );
+    }
+    let _ = (
+        qkv, pos, tables, heads, kv_heads, head_dim, k_pool, v_pool, slots,
+    );
+    candle_core::bail!("rope_qkv_into has a CUDA kernel only")
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::device::kernels::{dtype_suffix, kernel, Module};
@@ -233,14 +265,48 @@ mod cuda {
         })
     }
 
+    /// Where [`launch_rope`] puts K and V: fresh buffers, or rows of a dense pool.
+    enum KvOut<'a> {
+        Fresh,
+        Pool(&'a Tensor, &'a Tensor, &'a Tensor),
+    }
+
     pub fn rope_qkv(
+        qkv: &Tensor,
+        pos: &Tensor,
+        tables: (&Tensor, &Tensor),
+        heads: usize,
+        kv_heads: usize,
+        d: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, kv) = launch_rope(qkv, pos, tables, heads, kv_heads, d, KvOut::Fresh)?;
+        let (k, v) = kv.ok_or_else(|| err("rope_qkv: no k/v".into()))?;
+        Ok((q, k, v))
+    }
+
+    pub fn rope_qkv_into(
+        qkv: &Tensor,
+        pos: &Tensor,
+        tables: (&Tensor, &Tensor),
+        heads: usize,
+        kv_heads: usize,
+        d: usize,
+        (k_pool, v_pool, slots): (&Tensor, &Tensor, &Tensor),
+    ) -> Result<Tensor> {
+        let out = KvOut::Pool(k_pool, v_pool, slots);
+        Ok(launch_rope(qkv, pos, tables, heads, kv_heads, d, out)?.0)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn launch_rope(
         qkv: &Tensor,
         pos: &Tensor,
         (cos, sin): (&Tensor, &Tensor),
         heads: usize,
         kv_heads: usize,
         d: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+        out: KvOut<'_>,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let qkv = qkv.contiguous()?;
         let (rows, width) = qkv.dims2()?;
         if width != (heads + 2 * kv_heads) * d || !d.is_multiple_of(2) || d > 2048 {
@@ -254,6 +320,20 @@ mod cuda {
         let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
         if cos.dtype() != DType::F32 || cos.dim(1)? != d / 2 || sin.dims() != cos.dims() {
             return Err(err("rope_qkv: tables must be f32 [positions, D/2]".into()));
+        }
+        if let KvOut::Pool(kp, vp, sl) = &out {
+            let ok = kp.dtype() == qkv.dtype()
+                && vp.dtype() == qkv.dtype()
+                && kp.is_contiguous()
+                && vp.is_contiguous()
+                && kp.dims().len() == 2
+                && kp.dim(1)? == kv_heads * d
+                && vp.dims() == kp.dims()
+                && sl.dims() == [rows]
+                && sl.dtype() == DType::U32;
+            if !ok {
+                return Err(err("rope_qkv_into: pools or slots do not fit".into()));
+            }
         }
         let dev = device(&qkv)?;
         let f = kernel(&dev, Module::Fused, &name("rope_qkv", qkv.dtype())?)?;
@@ -271,6 +351,14 @@ mod cuda {
         let (ps, pl) = pos.storage_and_layout();
         let (cs, cl) = cos.storage_and_layout();
         let (ss, sl) = sin.storage_and_layout();
+        let pools = match &out {
+            KvOut::Pool(kp, vp, slots) => Some((
+                kp.storage_and_layout(),
+                vp.storage_and_layout(),
+                slots.storage_and_layout(),
+            )),
+            KvOut::Fresh => None,
+        };
         macro_rules! launch {
             ($t:ty) => {{
                 let xv = view::<$t>(&xs, xl)?;
@@ -280,26 +368,41 @@ mod cuda {
                     view::<f32>(&ss, sl)?,
                 );
                 let q = unsafe { dev.alloc::<$t>(rows * heads * d)? };
-                let k = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
-                let v = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
-                if rows > 0 {
-                    let mut b = f.builder();
-                    b.arg(&xv)
-                        .arg(&pv)
-                        .arg(&cv)
-                        .arg(&sv)
-                        .arg(&q)
-                        .arg(&k)
-                        .arg(&v);
-                    for i in &ints {
-                        b.arg(i);
+                let (fresh, kvp);
+                let mut b = f.builder();
+                b.arg(&xv).arg(&pv).arg(&cv).arg(&sv).arg(&q);
+                match &pools {
+                    Some(((ks, kl), (vs, vl), (ss2, sl2))) => {
+                        kvp = (
+                            view::<$t>(ks, kl)?,
+                            view::<$t>(vs, vl)?,
+                            view::<u32>(ss2, sl2)?,
+                        );
+                        b.arg(&kvp.0).arg(&kvp.1).arg(&kvp.2);
+                        fresh = None;
                     }
+                    None => {
+                        let k = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
+                        let v = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
+                        fresh = Some((k, v));
+                        let (k, v) = fresh.as_ref().expect("allocated");
+                        b.arg(k).arg(v).arg(&0u64);
+                    }
+                }
+                for i in &ints {
+                    b.arg(i);
+                }
+                if rows > 0 {
                     unsafe { b.launch(cfg) }.w()?;
                 }
                 (
                     wrap(q, &dev, (rows, heads, d)),
-                    wrap(k, &dev, (rows, kv_heads * d)),
-                    wrap(v, &dev, (rows, kv_heads * d)),
+                    fresh.map(|(k, v)| {
+                        (
+                            wrap(k, &dev, (rows, kv_heads * d)),
+                            wrap(v, &dev, (rows, kv_heads * d)),
+                        )
+                    }),
                 )
             }};
         }

@@ -446,6 +446,18 @@ impl Llama {
         let eps = cfg.rms_norm_eps as f32;
         let (x, hs) = fused::add_rms_norm(x, mlp, &b.attn_norm, eps)?;
         let t = x.dim(0)?;
+        // A fixed step into a dense layer of the compute dtype: RoPE writes K and V straight
+        // into their slots (no separate cache write).
+        if let (QkvProj::Fused(qkv), Rope::Tables(cos, sin), Writes::Fixed(slots)) =
+            (&b.qkv, s.rope, s.writes)
+        {
+            if let Some((kp, vp)) = s.cache.dense_layer(l, self.dtype) {
+                let y = qkv.forward(&hs)?;
+                let slots = slots.on(y.device())?;
+                let q = fused::rope_qkv_into(&y, s.pos, (cos, sin), nh, nkv, hd, (kp, vp, &slots))?;
+                return self.finish_block(l, b, &x, &q, s);
+            }
+        }
         let (q, k, v) = match (&b.qkv, s.rope) {
             (QkvProj::Fused(qkv), Rope::Tables(cos, sin)) => {
                 fused::rope_qkv(&qkv.forward(&hs)?, s.pos, (cos, sin), nh, nkv, hd)?
@@ -489,8 +501,25 @@ impl Llama {
             Writes::Spans(spans) => s.cache.write_spans(l, spans, &k, &v)?,
             Writes::Fixed(slots) => s.cache.write_fixed(l, slots, &k, &v)?,
         }
+        self.finish_block(l, b, &x, &q, s)
+    }
+
+    /// The rest of a layer once its K/V are in the cache: attention of `q` (`[T, H, D]`), the
+    /// output projection, the residual add with `x` fused with the MLP's norm, and the MLP.
+    fn finish_block(
+        &self,
+        l: usize,
+        b: &Block,
+        x: &Tensor,
+        q: &Tensor,
+        s: &Step<'_>,
+    ) -> Result<(Tensor, Tensor)> {
+        let cfg = &self.cfg;
+        let (nh, hd) = (cfg.num_heads, cfg.head_dim);
+        let eps = cfg.rms_norm_eps as f32;
+        let t = q.dim(0)?;
         let attn = paged_attention(
-            &q,
+            q,
             s.cache,
             l,
             s.batch,
@@ -503,7 +532,7 @@ impl Llama {
         if let Some(n) = &b.post_attn_norm {
             attn = candle_nn::ops::rms_norm(&attn, n, eps)?;
         }
-        let (x1, hs) = fused::add_rms_norm(&attn, Some(&x), &b.ffn_norm, eps)?;
+        let (x1, hs) = fused::add_rms_norm(&attn, Some(x), &b.ffn_norm, eps)?;
         let gemma = cfg.arch.is_gemma();
         let act = match &b.gate_up {
             GateUpProj::Split { gate, up } => {

@@ -424,6 +424,19 @@ impl PagedKvCache {
         Ok(self.pool(Pool::Main).layers[layer].write_slots_on_device(slots, k, v, rot)?)
     }
 
+    /// The K and V pools of `layer` in the main pool when they are dense rows of `dtype`
+    /// stored as they come (no rotation): what a fused kernel may write new rows into itself.
+    pub fn dense_layer(&self, layer: usize, dtype: DType) -> Option<(&Tensor, &Tensor)> {
+        match &self.pool(Pool::Main).layers[layer] {
+            LayerKv::Dense { k, v }
+                if k.dtype() == dtype && self.rotation(layer, true).is_none() =>
+            {
+                Some((k, v))
+            }
+            _ => None,
+        }
+    }
+
     /// Records that `n` tokens were appended to `id` (after every layer wrote them), and lets
     /// go of blocks that slid out of the window.
     pub fn advance(&mut self, id: SeqId, n: usize) -> Result<()> {

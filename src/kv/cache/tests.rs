@@ -379,3 +379,83 @@ fn import_refuses_other_formats_and_respects_staging_and_window() {
     let e = win.export_rows(0).unwrap_err().to_string();
     assert!(e.contains("--max-kv-size"), "{e}");
 }
+
+#[test]
+fn windowed_groups_hold_their_window_and_reuse_only_held_prefix_blocks() {
+    // Layer 0 slides over 8 positions, layer 1 is global; blocks of 4.
+    let mut config = cfg(16);
+    config.layer_windows = vec![Some(8), None];
+    let mut c = PagedKvCache::new(config, &Device::Cpu).unwrap();
+    assert_eq!(c.groups().len(), 2);
+    assert_eq!((c.group_of(0), c.group_of(1)), (1, 0));
+    c.enable_prefix_cache().unwrap();
+    c.add_sequence(0).unwrap();
+    fill(&mut c, 0, 20, 3, 0.5);
+    // The global group holds all 5 blocks; the window keeps positions 13.. (blocks 3 and 4).
+    assert_eq!(c.owned_blocks(0).unwrap(), Blocks(vec![5, 2]));
+    let bb = c.config().group_block_bytes();
+    assert_eq!(c.group_bytes_in_use(), vec![5 * bb[0], 2 * bb[1]]);
+    assert_eq!(c.free_blocks(), Blocks(vec![11, 14]));
+    let tokens: Vec<u32> = (0..30).collect();
+    c.register_prefix(0, &tokens[..20]).unwrap();
+    let (k0, v0) = {
+        let slots = c.slots(0, 1, 13, 20).unwrap();
+        let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
+        c.gather(0, 0, &slots, DType::F32).unwrap()
+    };
+    c.remove_sequence(0);
+    // A prompt of the first 18 tokens would need blocks 2..4 of the window: not held.
+    c.add_sequence(1).unwrap();
+    assert_eq!(c.attach_prefix(1, &tokens[..20], 18).unwrap(), 0);
+    c.remove_sequence(1);
+    // A longer prompt reuses all 20: the window's blocks 3 and 4 are what it can see.
+    c.add_sequence(2).unwrap();
+    assert_eq!(c.attach_prefix(2, &tokens, 28).unwrap(), 20);
+    assert_eq!(c.owned_blocks(2).unwrap(), Blocks(vec![5, 2]));
+    let slots = c.slots(2, 1, 13, 20).unwrap();
+    let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
+    let (k2, v2) = c.gather(0, 2, &slots, DType::F32).unwrap();
+    assert_eq!((max_diff(&k0, &k2), max_diff(&v0, &v2)), (0.0, 0.0));
+    assert!(
+        c.slots(2, 1, 0, 12).is_err(),
+        "left the window before it was cached"
+    );
+    // Decoding on frees what leaves the window: parked as cached, not lost.
+    c.reserve(2, 4).unwrap();
+    for l in 0..2 {
+        c.write(l, 2, 20, &rows(4, 9.0), &rows(4, 8.0)).unwrap();
+    }
+    c.advance(2, 4).unwrap();
+    assert_eq!(c.owned_blocks(2).unwrap(), Blocks(vec![6, 2]));
+    assert_eq!(c.group_prefix_cached(), vec![0, 1]);
+}
+
+#[test]
+fn a_kept_history_stays_whole_until_the_step_after_its_prompt() {
+    let mut config = cfg(16);
+    config.window = Some(6);
+    let mut c = PagedKvCache::new(config, &Device::Cpu).unwrap();
+    c.add_sequence(0).unwrap();
+    c.keep_history(0, 12).unwrap();
+    fill(&mut c, 0, 12, 5, 1.0);
+    // Every block of the prompt is held and exports whole.
+    assert_eq!(c.owned_blocks(0).unwrap(), Blocks(vec![3]));
+    assert_eq!(c.export_rows(0).unwrap()[0].len().unwrap(), 12);
+    assert!(c
+        .owned_blocks(0)
+        .unwrap()
+        .fits_in(&c.config().max_blocks_keeping(40, 5, 12)));
+    // The next token lets the window take over.
+    fill_more(&mut c, 0, 12, 1);
+    assert_eq!(c.owned_blocks(0).unwrap(), Blocks(vec![2]));
+    assert!(c.export_rows(0).is_err());
+}
+
+/// Writes `n` more tokens of `id` from position `at` in both layers.
+fn fill_more(c: &mut PagedKvCache, id: SeqId, at: usize, n: usize) {
+    c.reserve(id, n).unwrap();
+    for l in 0..2 {
+        c.write(l, id, at, &rows(n, 3.0), &rows(n, 4.0)).unwrap();
+    }
+    c.advance(id, n).unwrap();
+}

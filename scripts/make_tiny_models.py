@@ -44,6 +44,10 @@ import gguf
 
 SEED = 1234
 WINDOW = 16
+# Added to the Gemma models' final norm weight (used as 1 + w): their tied embeddings are tiny
+# (see `randomize`), so without a gain the logits are too, and the first greedy steps are
+# near-ties (top-two margins below 0.05) that no quantized cache could be checked against.
+GEMMA_FINAL_NORM_GAIN = 30.0
 NEW_TOKENS = 12
 
 MULTILINGUAL = [
@@ -259,6 +263,8 @@ def randomize(model, gemma: bool):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 x = torch.randn(p.shape, generator=g) * 0.1 + (0.0 if gemma else 1.0)
+                if gemma and name == "model.norm.weight":
+                    x = x + GEMMA_FINAL_NORM_GAIN
             elif name.endswith(".bias"):
                 x = torch.randn(p.shape, generator=g) * 0.1
             elif gemma and "embed_tokens" in name:

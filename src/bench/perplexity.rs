@@ -19,7 +19,7 @@ use crate::model::llama::{Llama, LogitsFor, SeqInput};
 #[derive(Debug, Clone)]
 pub struct Setting {
     pub label: String,
-    /// Cache geometry and formats; `num_blocks` is sized here for one window.
+    /// Cache geometry and formats; the pools are sized here for one window.
     pub config: CacheConfig,
 }
 

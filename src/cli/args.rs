@@ -385,8 +385,12 @@ pub fn staging_bytes(cfg: &crate::kv::cache::CacheConfig) -> Result<usize> {
 /// allocated (an allocation that fails aborts the process instead of reporting).
 pub fn check_cache_memory(cfg: &crate::kv::cache::CacheConfig, device: &Device) -> Result<()> {
     let main = cfg
-        .num_blocks
-        .checked_mul(cfg.bytes_per_block())
+        .group_block_bytes()
+        .iter()
+        .enumerate()
+        .try_fold(0usize, |sum, (g, b)| {
+            b.checked_mul(cfg.blocks_of(g))?.checked_add(sum)
+        })
         .context("the KV cache size overflows")?;
     let staging = staging_bytes(cfg)?;
     let total = main.saturating_add(staging);

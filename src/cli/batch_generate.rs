@@ -144,11 +144,13 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     let loaded = load(&args.model.options(), &device)?;
     let model = &loaded.model;
     let kv = args.kv.options();
-    let sizing = |blocks| PoolSizing::Blocks {
-        blocks,
+    let sizing = |bytes, tokens| PoolSizing::Budget {
+        bytes,
+        tokens,
         max_batch: args.max_batch,
+        chunk: args.prefill_chunk,
     };
-    let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0))?;
+    let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0, 1))?;
     // The weights are fingerprinted only when some request names a prompt cache.
     let identity = if records.iter().any(|r| r.prompt_cache.is_some()) {
         Some(loaded.identity()?)
@@ -184,10 +186,10 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         .map(|(_, b, _)| b.request.cache_tokens(window))
         .max()
         .unwrap_or(1);
-    let blocks = budget_blocks(args, &probe, longest)?;
-    let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(blocks))?;
+    let bytes = budget_bytes(args, &probe, longest)?;
+    let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(bytes, longest))?;
     super::args::check_cache_memory(&cfg, model.device())?;
-    let kv_budget = blocks * probe.bytes_per_block() + super::args::staging_bytes(&cfg)?;
+    let kv_budget = cfg.main_bytes() + super::args::staging_bytes(&cfg)?;
     let cache = PagedKvCache::new(cfg, model.device())?;
     let mut engine = Engine::new(
         model,
@@ -319,18 +321,26 @@ fn error_record(e: &InvalidLine) -> Value {
     })
 }
 
-/// KV blocks to allocate: the --kv-memory budget (less the dense staging pool of
-/// --quantized-kv-start, which the budget includes), or by default room for --max-batch of the
-/// longest request, capped at half the available memory but never below one longest request.
-/// A budget that cannot hold the longest request, or that the machine does not have, is refused.
-fn budget_blocks(
+/// Bytes of main-pool blocks to allocate: the --kv-memory budget (less the dense staging pool
+/// of --quantized-kv-start, which the budget includes), or by default room for --max-batch of
+/// the longest request, capped at half the available memory but never below one longest
+/// request. A budget that cannot hold the longest request, or that the machine does not have,
+/// is refused. The layer groups share the bytes by what a longest request holds in each.
+fn budget_bytes(
     args: &BatchGenerateArgs,
     probe: &crate::kv::cache::CacheConfig,
     longest: usize,
 ) -> Result<usize> {
-    let block_bytes = probe.bytes_per_block().max(1);
     let staging = super::args::staging_bytes(probe)?;
-    let one = probe.max_blocks_for(longest, args.prefill_chunk).max(1);
+    let one_blocks = probe.max_blocks_for(longest, args.prefill_chunk);
+    // One longest request's blocks in every group, at each group's block size.
+    let one = one_blocks
+        .0
+        .iter()
+        .zip(probe.group_block_bytes())
+        .map(|(&n, b)| n.max(1).saturating_mul(b))
+        .fold(0, usize::saturating_add)
+        .max(1);
     let available = crate::device::available_memory_bytes();
     if let Some(bytes) = args.kv_memory {
         if bytes > available {
@@ -340,10 +350,7 @@ fn budget_blocks(
                 fmt_bytes(available)
             );
         }
-        let need = one
-            .checked_mul(block_bytes)
-            .and_then(|b| b.checked_add(staging))
-            .unwrap_or(usize::MAX);
+        let need = one.saturating_add(staging);
         if bytes < need {
             let staged = match staging {
                 0 => String::new(),
@@ -353,17 +360,19 @@ fn budget_blocks(
                 ),
             };
             bail!(
-                "--kv-memory {} cannot hold the longest request ({longest} tokens: {one} blocks of \
+                "--kv-memory {} cannot hold the longest request ({longest} tokens: {} blocks of \
                  {} tokens, {}{staged}); allowed: at least {need} bytes",
                 fmt_bytes(bytes),
+                one_blocks.total(),
                 probe.block_size,
-                fmt_bytes(one.saturating_mul(block_bytes)),
+                fmt_bytes(one),
             );
         }
-        return Ok((bytes - staging) / block_bytes);
+        return Ok(bytes - staging);
     }
-    let want = one.saturating_add(1).saturating_mul(args.max_batch);
-    let cap = (available / 2).saturating_sub(staging) / block_bytes;
+    let per_seq = one.saturating_add(probe.bytes_per_block());
+    let want = per_seq.saturating_mul(args.max_batch);
+    let cap = (available / 2).saturating_sub(staging);
     Ok(want.min(cap).max(one))
 }
 

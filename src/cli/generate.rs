@@ -184,6 +184,8 @@ struct Output {
     stats: Stats,
     kv_bytes: usize,
     kv_bytes_per_token: usize,
+    /// Per layer group: its window, layer count, most bytes held after a step, bytes per token.
+    kv_groups: Vec<(Option<usize>, usize, usize, usize)>,
     peak_memory: Option<u64>,
 }
 
@@ -204,6 +206,14 @@ impl Output {
                 "decode_seconds": self.stats.decode_seconds,
                 "kv_bytes": self.kv_bytes,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_groups": self.kv_groups.iter().map(|&(window, layers, bytes, per_token)| {
+                    serde_json::json!({
+                        "window": window,
+                        "layers": layers,
+                        "kv_bytes": bytes,
+                        "kv_bytes_per_token": per_token,
+                    })
+                }).collect::<Vec<_>>(),
                 "peak_memory_bytes": self.peak_memory,
             }
         })
@@ -289,9 +299,16 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         Ok(())
     };
     let mut kv_bytes = 0;
+    let mut group_bytes = vec![0; engine.cache().groups().len()];
     'run: while engine.has_work() {
         let events = engine.step()?;
         kv_bytes = kv_bytes.max(engine.cache().bytes_in_use());
+        for (most, now) in group_bytes
+            .iter_mut()
+            .zip(engine.cache().group_bytes_in_use())
+        {
+            *most = (*most).max(now);
+        }
         if let (Some(path), Some(ident)) = (&args.save_prompt_cache, &identity) {
             if let Some(rows) = engine.take_prompt_kv(id) {
                 write_prompt_cache(path, m, ident, &prompt, &rows)?;
@@ -342,6 +359,16 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         stats: engine.stats().clone(),
         kv_bytes,
         kv_bytes_per_token: bytes_per_token,
+        kv_groups: engine
+            .cache()
+            .groups()
+            .iter()
+            .zip(group_bytes)
+            .map(|(g, bytes)| {
+                let per_token = engine.cache().config().group_bytes_per_token(g);
+                (g.window, g.layers.len(), bytes, per_token)
+            })
+            .collect(),
         peak_memory: peak_rss_bytes(),
     })
 }
@@ -364,4 +391,15 @@ fn print_stats(o: &Output) {
             .map(|b| fmt_bytes(b as usize))
             .unwrap_or_else(|| "n/a".into())
     );
+    if o.kv_groups.len() > 1 {
+        let groups: Vec<String> = o
+            .kv_groups
+            .iter()
+            .map(|&(window, layers, bytes, _)| {
+                let kind = window.map_or("global".to_string(), |w| format!("{w}-token window"));
+                format!("{kind} ({layers} layers) {}", fmt_bytes(bytes))
+            })
+            .collect();
+        eprintln!("KV cache by layer group: {}", groups.join(", "));
+    }
 }

@@ -109,23 +109,35 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             let loaded = load(&a.model.options(), &device)?;
             let model = &loaded.model;
             let kv = a.kv.options();
-            let sizing = |blocks| PoolSizing::Blocks {
-                blocks,
+            let window = model.config().max_position_embeddings;
+            let sizing = |bytes| PoolSizing::Budget {
+                bytes,
+                tokens: window,
                 max_batch: a.max_batch,
+                chunk: a.prefill_chunk,
             };
             let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0))?;
-            let window = model.config().max_position_embeddings;
-            let blocks = budget_blocks(&a, window, probe.block_size, probe.bytes_per_block());
-            let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(blocks))?;
+            let bytes = budget_bytes(&a, &probe, window);
+            let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(bytes))?;
             super::args::check_cache_memory(&cfg, &device)?;
-            let cache = PagedKvCache::new(cfg, &device)?;
+            let blocks = cfg.pool_sizes();
+            let held = match blocks.0.as_slice() {
+                [one] => format!("{one} blocks"),
+                many => format!(
+                    "{} blocks per layer group",
+                    many.iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join(" + ")
+                ),
+            };
             eprintln!(
-                "kvq serve: {} | KV cache {} blocks of {} tokens ({} MiB)",
+                "kvq serve: {} | KV cache {held} of {} tokens ({} MiB)",
                 loaded.description,
-                blocks,
                 probe.block_size,
-                (blocks * probe.bytes_per_block()) >> 20
+                cfg.main_bytes() >> 20
             );
+            let cache = PagedKvCache::new(cfg, &device)?;
             Ok((loaded, cache))
         }),
     )
@@ -141,17 +153,26 @@ fn model_name(m: &ModelArgs) -> String {
     }
 }
 
-/// KV blocks to allocate: --kv-memory, or room for --max-batch requests of the whole window
-/// (one partial block each), capped at a quarter of the available memory but never below one
-/// such request.
-fn budget_blocks(a: &ServeArgs, window: usize, block_size: usize, block_bytes: usize) -> usize {
+/// Bytes of main-pool blocks to allocate: --kv-memory, or room for --max-batch requests of the
+/// whole window (one partial block each), capped at a quarter of the available memory but
+/// never below one such request. The layer groups share them by what such a request holds in
+/// each.
+fn budget_bytes(a: &ServeArgs, probe: &crate::kv::cache::CacheConfig, window: usize) -> usize {
+    let block_bytes = probe.group_block_bytes();
+    let one: usize = probe
+        .max_blocks_for(window, a.prefill_chunk)
+        .0
+        .iter()
+        .zip(&block_bytes)
+        .map(|(&n, &b)| (n + 1).saturating_mul(b))
+        .fold(0, usize::saturating_add)
+        .max(1);
     if let Some(bytes) = a.kv_memory {
-        return (bytes / block_bytes.max(1)).max(1);
+        return bytes.max(probe.bytes_per_block().max(1));
     }
-    let one = window.div_ceil(block_size) + 1;
-    let want = one * a.max_batch;
+    let want = one.saturating_mul(a.max_batch);
     match crate::device::available_memory() {
-        Some(avail) => want.min(avail as usize / 4 / block_bytes.max(1)).max(one),
+        Some(avail) => want.min(avail as usize / 4).max(one),
         None => want,
     }
 }

@@ -10,8 +10,9 @@
 //! engine's `--max-batch`), and block tables to a power-of-two width (at least 16 blocks), so a
 //! handful of graphs serve every step as sequences join, finish and grow. A shape's first step
 //! runs eagerly (it loads kernels and sizes candle's scratch buffers) and is then captured;
-//! later steps replay. Steps with prompt tokens, dense staging, mixed key/value widths or
-//! attention soft-capping run eagerly as before. Outputs are identical either way.
+//! later steps replay. Steps with prompt tokens, dense staging, mixed key/value widths,
+//! attention soft-capping, or windowed layers beside global ones (several layer groups) run
+//! eagerly as before. Outputs are identical either way.
 
 use anyhow::Result;
 use candle_core::cuda_backend::cudarc::driver::CudaGraph;
@@ -82,6 +83,7 @@ impl DecodeGraphs {
         };
         !self.broken
             && !inputs.is_empty()
+            && cache.groups().len() == 1
             && inputs.len() <= self.max_rows
             && cache.device().is_cuda()
             && model.config().attn_softcap.is_none()
@@ -104,7 +106,7 @@ impl DecodeGraphs {
         let blocks = batch
             .slices
             .iter()
-            .map(|s| cache.owned_blocks(s.seq))
+            .map(|s| cache.block_table(s.seq, 0).map(|t| t.len()))
             .collect::<std::result::Result<Vec<_>, _>>()?
             .into_iter()
             .max()

@@ -25,7 +25,7 @@ use super::device_greedy::{greedy_picks, is_plain_greedy, nan_error};
 use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
-use crate::kv::cache::{PagedKvCache, SeqId};
+use crate::kv::cache::{Blocks, PagedKvCache, SeqId};
 use crate::kv::format::LayerRows;
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
@@ -60,8 +60,9 @@ struct Running {
     /// Prompt tokens already in the cache.
     prefilled: usize,
     generated: usize,
-    /// Most main-pool blocks this request may own at once (its admission promise).
-    lifetime_blocks: usize,
+    /// Most main-pool blocks this request may own at once per layer group (its admission
+    /// promise).
+    lifetime_blocks: Blocks,
 }
 
 pub struct Engine<'m> {
@@ -146,13 +147,16 @@ impl<'m> Engine<'m> {
             bail!("--max-tokens must be at least 1");
         }
         req.params.validate()?;
-        let need = self.lifetime_blocks(&req);
-        if need > self.cache.config().num_blocks {
+        let need = self.lifetime_blocks(&req, false);
+        let total = self.cache.config().pool_sizes();
+        if let Some(g) = need.first_short(&total) {
             bail!(
-                "one request needs {need} KV blocks ({} tokens) but the cache holds only {} blocks; \
-                 raise the KV memory budget or lower --max-tokens",
+                "one request needs {} KV blocks ({} tokens) {}but the cache holds only {} \
+                 blocks there; raise the KV memory budget or lower --max-tokens",
+                need.get(g),
                 self.lifetime_tokens(&req),
-                self.cache.config().num_blocks
+                self.group_name(g),
+                total.get(g)
             );
         }
         let id = self.next_id;
@@ -240,35 +244,52 @@ impl<'m> Engine<'m> {
         }
     }
 
-    /// Main-pool blocks a request may own at once over its life.
-    fn lifetime_blocks(&self, req: &Request) -> usize {
-        self.cache
-            .config()
-            .max_blocks_for(self.lifetime_tokens(req), self.cfg.prefill_chunk)
+    /// Main-pool blocks a request may own at once over its life, per layer group (`keep`: its
+    /// prompt is held whole until exported).
+    fn lifetime_blocks(&self, req: &Request, keep: bool) -> Blocks {
+        let (tokens, chunk) = (self.lifetime_tokens(req), self.cfg.prefill_chunk);
+        let cfg = self.cache.config();
+        if keep {
+            cfg.max_blocks_keeping(tokens, chunk, req.prompt.len())
+        } else {
+            cfg.max_blocks_for(tokens, chunk)
+        }
     }
 
-    /// Blocks the running requests may still claim beyond what they hold.
-    fn promised_blocks(&self) -> usize {
-        self.running
-            .iter()
-            .map(|r| {
-                r.lifetime_blocks
-                    .saturating_sub(self.cache.owned_blocks(r.id).unwrap_or(0))
-            })
-            .sum()
+    /// "in the layers with a W-token window " for a windowed group, else nothing.
+    fn group_name(&self, g: usize) -> String {
+        match self.cache.groups().get(g).and_then(|x| x.window) {
+            Some(w) => format!("in the layers with a {w}-token window "),
+            None => String::new(),
+        }
+    }
+
+    /// Blocks the running requests may still claim beyond what they hold, per group.
+    fn promised_blocks(&self) -> Blocks {
+        self.running.iter().fold(Blocks::default(), |acc, r| {
+            let owned = self.cache.owned_blocks(r.id).unwrap_or_default();
+            acc.plus(&r.lifetime_blocks.saturating_sub(&owned))
+        })
     }
 
     fn admit(&mut self) -> Result<()> {
         while self.running.len() < self.cfg.max_batch {
-            let Some((_, req)) = self.waiting.front() else {
+            let Some((id, req)) = self.waiting.front() else {
                 break;
             };
-            let need = self.lifetime_blocks(req);
-            if need + self.promised_blocks() > self.cache.free_blocks() {
+            let keep = self.keep_prompt.contains(id);
+            let need = self.lifetime_blocks(req, keep);
+            if !need
+                .plus(&self.promised_blocks())
+                .fits_in(&self.cache.free_blocks())
+            {
                 break; // waits for running requests to finish
             }
             let (id, req) = self.waiting.pop_front().expect("front exists");
             self.cache.add_sequence(id)?;
+            if keep {
+                self.cache.keep_history(id, req.prompt.len())?;
+            }
             let prefilled = match self.prefixes.remove(&id) {
                 Some(p) => {
                     if let Err(e) = self.import_prefix(id, &p) {
@@ -296,7 +317,7 @@ impl<'m> Engine<'m> {
                     n
                 }
             };
-            let lifetime_blocks = self.lifetime_blocks(&req);
+            let lifetime_blocks = self.lifetime_blocks(&req, keep);
             self.running.push(Running {
                 id,
                 sampler: Sampler::new(req.params.clone()),

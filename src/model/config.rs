@@ -118,6 +118,40 @@ fn default_sliding(arch: Arch, layers: usize, qwen2_first: usize) -> Vec<bool> {
         .collect()
 }
 
+/// The attention score scale of a GGUF model: its `attention.scale` if it has one, else what
+/// llama.cpp uses — `1/√head_dim`, but `1/√(hidden / heads)` for the 27B Gemma 2 (46 layers)
+/// and Gemma 3 (62 layers), whose `query_pre_attn_scalar` the file does not keep.
+fn gguf_attn_scale(
+    arch: Arch,
+    scale: Option<f32>,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+) -> f64 {
+    if let Some(s) = scale.filter(|s| *s > 0.0 && s.is_finite()) {
+        return s as f64;
+    }
+    let big = matches!((arch, layers), (Arch::Gemma2, 46) | (Arch::Gemma3, 62));
+    let d = if big {
+        hidden.checked_div(heads).unwrap_or(head_dim)
+    } else {
+        head_dim
+    };
+    1.0 / (d.max(1) as f64).sqrt()
+}
+
+/// How RoPE frequencies of the model's global base are scaled (local bases never are).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(untagged)]
+pub enum RopeScaling {
+    Llama3(Llama3RopeScaling),
+    /// Positions divided by `factor` (`rope_type: linear`; Gemma 3 4B and larger, ×8).
+    Linear {
+        factor: f32,
+    },
+}
+
 /// Llama-3-style frequency scaling of RoPE (`rope_scaling.rope_type == "llama3"`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Llama3RopeScaling {
@@ -138,7 +172,7 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub vocab_size: usize,
     pub rope_theta: f32,
-    pub rope_scaling: Option<Llama3RopeScaling>,
+    pub rope_scaling: Option<RopeScaling>,
     pub rms_norm_eps: f64,
     /// Context window: prompts plus generated tokens never exceed it.
     pub max_position_embeddings: usize,
@@ -240,6 +274,25 @@ impl ModelConfig {
             _ => get_f("rope.freq_base_swa").unwrap_or(rope_theta),
         };
         let softcap = |k: &str| get_f(k).filter(|&c| c > 0.0);
+        let rope_scaling = match md.get(&key("rope.scaling.type")).map(|v| v.to_string()) {
+            None => None,
+            Some(Ok(t)) if t == "none" => None,
+            Some(Ok(t)) if t == "linear" => match get_f("rope.scaling.factor") {
+                Some(f) if f > 0.0 && f.is_finite() && f != 1.0 => {
+                    Some(RopeScaling::Linear { factor: f })
+                }
+                Some(1.0) => None,
+                f => bail!(
+                    "GGUF {} is {f:?}: a linear RoPE scaling needs a positive factor",
+                    key("rope.scaling.factor")
+                ),
+            },
+            Some(Ok(t)) => bail!(
+                "GGUF {} '{t}' is not supported (kvq knows none and linear)",
+                key("rope.scaling.type")
+            ),
+            Some(Err(_)) => bail!("GGUF {} is not a string", key("rope.scaling.type")),
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
@@ -250,15 +303,21 @@ impl ModelConfig {
             head_dim,
             vocab_size,
             rope_theta,
-            rope_scaling: None,
+            rope_scaling,
             rms_norm_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f64,
             max_position_embeddings: get_u("context_length").unwrap_or(4096),
             tie_word_embeddings: !has_output,
             attention_bias: has_q_bias,
             qk_norm: has_q_norm,
             layers: layer_kinds(&sliding, window, rope_theta, local_theta),
-            // llama.cpp scales Gemma queries by 1/√head_dim (query_pre_attn_scalar is not kept).
-            attn_scale: 1.0 / (head_dim as f64).sqrt(),
+            attn_scale: gguf_attn_scale(
+                arch,
+                get_f("attention.scale"),
+                num_layers,
+                hidden_size,
+                num_heads,
+                head_dim,
+            ),
             attn_softcap: if arch == Arch::Gemma2 {
                 softcap("attn_logit_softcapping")
             } else {
@@ -337,10 +396,24 @@ impl ModelConfig {
             }),
             Some(rs) => Some(rs),
         };
+        let rope_type = |rs: &Value| {
+            rs.get("rope_type")
+                .or_else(|| rs.get("type"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        };
         let rope_scaling = match scaling {
-            Some(rs) if rs.get("rope_type").and_then(Value::as_str) == Some("llama3") => {
+            Some(rs) if rope_type(rs).as_deref() == Some("linear") => {
+                match rs.get("factor").and_then(Value::as_f64) {
+                    Some(f) if f > 0.0 && f.is_finite() => {
+                        Some(RopeScaling::Linear { factor: f as f32 })
+                    }
+                    _ => bail!("rope_scaling {rs}: a linear scaling needs a positive factor"),
+                }
+            }
+            Some(rs) if rope_type(rs).as_deref() == Some("llama3") => {
                 let f = |k: &str| rs.get(k).and_then(Value::as_f64).map(|x| x as f32);
-                Some(Llama3RopeScaling {
+                Some(RopeScaling::Llama3(Llama3RopeScaling {
                     factor: f("factor").context("rope_scaling.factor")?,
                     low_freq_factor: f("low_freq_factor").unwrap_or(1.0),
                     high_freq_factor: f("high_freq_factor").unwrap_or(4.0),
@@ -349,7 +422,7 @@ impl ModelConfig {
                         .and_then(Value::as_u64)
                         .unwrap_or(8192)
                         as usize,
-                })
+                }))
             }
             None => None,
             Some(rs) => bail!("unsupported rope_scaling {rs}"),
@@ -511,3 +584,7 @@ impl ModelConfig {
         self.num_heads / self.num_kv_heads
     }
 }
+
+#[cfg(test)]
+#[path = "config_tests.rs"]
+mod tests;

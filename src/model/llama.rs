@@ -18,7 +18,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
-use super::config::{Arch, ModelConfig};
+use super::config::{Arch, ModelConfig, RopeScaling};
 use super::fused;
 use super::weights::{Embedding, Linear, Name, WeightMath, Weights};
 #[cfg(feature = "cuda")]
@@ -363,15 +363,8 @@ impl Llama {
                     cfg.max_position_embeddings
                 );
             }
-            b.slices.push(SeqSlice {
-                seq: inp.seq,
-                offset: b.tokens.len(),
-                start,
-                n,
-                kstart: cache.first_visible(start),
-                slots: Default::default(),
-                mask: Default::default(),
-            });
+            b.slices
+                .push(SeqSlice::new(cache, inp.seq, b.tokens.len(), start, n));
             b.tokens.extend_from_slice(&inp.tokens);
             b.positions.extend((start..start + n).map(|p| p as u32));
         }
@@ -595,33 +588,41 @@ enum Writes<'a> {
 }
 
 /// cos/sin of `position * inv_freq` for every position of the window, f32 `[P, D/2]`, for
-/// RoPE base `theta` (Llama 3 scaling applies to the model's global base only).
+/// RoPE base `theta` (scaling, Llama 3 or linear, applies to the model's global base only).
 fn rope_tables(cfg: &ModelConfig, theta: f32, dev: &Device) -> Result<(Tensor, Tensor)> {
     let d = cfg.head_dim;
     let mut inv_freq: Vec<f32> = (0..d / 2)
         .map(|i| 1.0 / theta.powf(2.0 * i as f32 / d as f32))
         .collect();
-    if let Some(s) = cfg
+    match cfg
         .rope_scaling
         .as_ref()
         .filter(|_| theta == cfg.rope_theta)
     {
-        // Llama 3: long wavelengths are slowed by `factor`, short ones kept, smooth in between.
-        let old = s.original_max_position_embeddings as f32;
-        let low_wl = old / s.low_freq_factor;
-        let high_wl = old / s.high_freq_factor;
-        for f in inv_freq.iter_mut() {
-            let wl = 2.0 * std::f32::consts::PI / *f;
-            *f = if wl < high_wl {
-                *f
-            } else if wl > low_wl {
-                *f / s.factor
-            } else {
-                let smooth =
-                    (old / wl - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-                (1.0 - smooth) * *f / s.factor + smooth * *f
-            };
+        Some(RopeScaling::Llama3(s)) => {
+            // Llama 3: long wavelengths are slowed by `factor`, short ones kept, smooth between.
+            let old = s.original_max_position_embeddings as f32;
+            let low_wl = old / s.low_freq_factor;
+            let high_wl = old / s.high_freq_factor;
+            for f in inv_freq.iter_mut() {
+                let wl = 2.0 * std::f32::consts::PI / *f;
+                *f = if wl < high_wl {
+                    *f
+                } else if wl > low_wl {
+                    *f / s.factor
+                } else {
+                    let smooth =
+                        (old / wl - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                    (1.0 - smooth) * *f / s.factor + smooth * *f
+                };
+            }
         }
+        Some(RopeScaling::Linear { factor }) => {
+            for f in inv_freq.iter_mut() {
+                *f /= factor;
+            }
+        }
+        None => {}
     }
     let p = cfg.max_position_embeddings;
     let inv = Tensor::from_vec(inv_freq, (1, d / 2), dev)?;

@@ -7,8 +7,9 @@ use std::sync::Mutex;
 /// Blocks of one KV pool.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PoolBlocks {
-    /// `main` or `staging` (the dense pool of --quantized-kv-start).
-    pub pool: &'static str,
+    /// `main` or `staging` (the dense pool of --quantized-kv-start); the pools of layers that
+    /// attend through a window of W tokens add `-window-W` (e.g. `main-window-512`).
+    pub pool: String,
     /// How the pool stores K/V (e.g. `dense-f32`, `affine-k4-v4`).
     pub format: String,
     pub free: usize,
@@ -172,7 +173,7 @@ mod tests {
             waiting: 1,
             generated_tokens: 10,
             pools: vec![PoolBlocks {
-                pool: "main",
+                pool: "main".into(),
                 format: "dense-f32".into(),
                 free: 3,
                 total: 8,

@@ -155,8 +155,8 @@ pub fn run(
         }
         let cache = engine.cache();
         let free = cache.free_blocks();
-        let cached = cache.prefix_cached_blocks();
-        let staging = cache.staging_blocks();
+        let cached = cache.group_prefix_cached();
+        let staging = cache.group_staging_blocks();
         metrics.update(|s| {
             s.running = engine.num_running();
             s.waiting = engine.num_waiting();
@@ -165,16 +165,17 @@ pub fn run(
             s.prefix_cache_tokens = engine.stats().prefix_tokens as u64;
             s.pools = pools
                 .iter()
-                .map(|(pool, format, total)| {
-                    let (free, cached) = match (*pool, staging) {
-                        ("staging", Some((f, _))) => (f, 0),
-                        _ => (free, cached),
+                .map(|p| {
+                    let (free, cached) = if p.staging {
+                        (staging.get(p.group).map_or(0, |s| s.0), 0)
+                    } else {
+                        (free.get(p.group), cached.get(p.group).copied().unwrap_or(0))
                     };
                     PoolBlocks {
-                        pool,
-                        format: format.clone(),
+                        pool: p.name.clone(),
+                        format: p.format.clone(),
                         free,
-                        total: *total,
+                        total: p.total,
                         cached,
                     }
                 })
@@ -299,8 +300,18 @@ fn forward<'t>(
     generated
 }
 
-/// The pools as `/metrics` labels them: (pool, format, blocks).
-fn pool_labels(engine: &Engine<'_>) -> Vec<(&'static str, String, usize)> {
+/// One pool as `/metrics` labels it.
+struct PoolLabel {
+    name: String,
+    format: String,
+    total: usize,
+    /// Its layer group, and whether it is the group's staging pool.
+    group: usize,
+    staging: bool,
+}
+
+/// The pools as `/metrics` labels them: each layer group's main pool (and staging pool).
+fn pool_labels(engine: &Engine<'_>) -> Vec<PoolLabel> {
     let cache = engine.cache();
     let cfg = cache.config();
     let name = |f: &KvFormat| match f {
@@ -318,20 +329,32 @@ fn pool_labels(engine: &Engine<'_>) -> Vec<(&'static str, String, usize)> {
             key.group_size()
         ),
     };
-    let mut names: Vec<String> = cfg.formats.iter().map(name).collect();
-    names.dedup();
-    let main = if names.len() == 1 {
-        names.remove(0)
-    } else {
-        format!("mixed-{}", names.join("+"))
-    };
-    let mut out = vec![("main", main, cfg.num_blocks)];
-    if let Some(s) = &cfg.staging {
-        out.push((
-            "staging",
-            format!("dense-{:?}", s.dtype).to_lowercase(),
-            s.num_blocks,
-        ));
+    let mut out = Vec::new();
+    for (g, lg) in cache.groups().iter().enumerate() {
+        let suffix = lg.window.map_or(String::new(), |w| format!("-window-{w}"));
+        let mut names: Vec<String> = lg.layers.iter().map(|&l| name(&cfg.formats[l])).collect();
+        names.dedup();
+        let main = if names.len() == 1 {
+            names.remove(0)
+        } else {
+            format!("mixed-{}", names.join("+"))
+        };
+        out.push(PoolLabel {
+            name: format!("main{suffix}"),
+            format: main,
+            total: cfg.blocks_of(g),
+            group: g,
+            staging: false,
+        });
+        if let Some(s) = &cfg.staging {
+            out.push(PoolLabel {
+                name: format!("staging{suffix}"),
+                format: format!("dense-{:?}", s.dtype).to_lowercase(),
+                total: s.num_blocks,
+                group: g,
+                staging: true,
+            });
+        }
     }
     out
 }

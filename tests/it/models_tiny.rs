@@ -31,6 +31,17 @@ fn reference(arch: &str) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// Values in one K (or V) row of the model: KV heads × head_dim, from its config.json.
+fn kv_width(arch: &str) -> u64 {
+    let text = std::fs::read_to_string(dir(arch).join("hf/config.json")).unwrap();
+    let c: Value = serde_json::from_str(&text).unwrap();
+    let heads = c["num_attention_heads"].as_u64().unwrap();
+    let head_dim = c["head_dim"]
+        .as_u64()
+        .unwrap_or(c["hidden_size"].as_u64().unwrap() / heads);
+    c["num_key_value_heads"].as_u64().unwrap() * head_dim
+}
+
 /// The model's two files: the safetensors directory and the GGUF.
 fn sources(arch: &str) -> [String; 2] {
     [
@@ -63,8 +74,14 @@ fn cache_for(m: &LoadedModel, blocks: usize) -> PagedKvCache {
     PagedKvCache::new(cfg, &Device::Cpu).unwrap()
 }
 
-/// `kvq generate --raw --temp 0 --dtype f32 --json` of `prompt` with `extra` flags.
+/// `kvq generate --raw --temp 0 --dtype f32 --json --max-tokens 12` of `prompt` with `extra`
+/// flags.
 fn generate(model: &str, prompt: &str, extra: &[&str]) -> Value {
+    generate_n(model, prompt, "12", extra)
+}
+
+/// [`generate`] of at most `max` tokens.
+fn generate_n(model: &str, prompt: &str, max: &str, extra: &[&str]) -> Value {
     let mut args = vec![
         "generate",
         "--model",
@@ -75,7 +92,7 @@ fn generate(model: &str, prompt: &str, extra: &[&str]) -> Value {
         "--dtype",
         "f32",
         "--max-tokens",
-        "12",
+        max,
         "--json",
     ];
     args.extend_from_slice(extra);
@@ -158,25 +175,92 @@ fn last_position_logits_are_transformers_within_1e_4() {
 fn eight_bit_cache_on_every_layer_keeps_dense_tokens_until_a_near_tie() {
     for arch in ARCHS {
         let r = reference(arch);
-        let model = dir(arch).join("hf").display().to_string();
-        for case in r["cases"].as_array().unwrap() {
-            let want = ids(&case["generated_ids"]);
-            let margins: Vec<f64> = case["margins"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| m.as_f64().unwrap())
-                .collect();
-            // Tokens before the first step whose top two logits are within 0.05 must match.
-            let sure = margins.iter().position(|&m| m < 0.05).unwrap_or(want.len());
-            let out = generate(
-                &model,
-                case["prompt"].as_str().unwrap(),
-                &["--kv-bits", "8", "--kv-group-size", "32"],
+        for model in sources(arch) {
+            let mut compared = 0;
+            for case in r["cases"].as_array().unwrap() {
+                let want = ids(&case["generated_ids"]);
+                let margins: Vec<f64> = case["margins"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|m| m.as_f64().unwrap())
+                    .collect();
+                // Tokens before the first step whose top two logits are within 0.05 must match.
+                let sure = margins.iter().position(|&m| m < 0.05).unwrap_or(want.len());
+                let out = generate(
+                    &model,
+                    case["prompt"].as_str().unwrap(),
+                    &["--kv-bits", "8", "--kv-group-size", "32"],
+                );
+                let got = ids(&out["tokens"]);
+                assert_eq!(got[..sure], want[..sure], "{model}: 8-bit cache tokens");
+                // Every layer is quantized, windowed ones included.
+                let groups = out["stats"]["kv_groups"].as_array().unwrap();
+                let dense = 2 * 4 * kv_width(arch);
+                for g in groups {
+                    let per_layer =
+                        g["kv_bytes_per_token"].as_u64().unwrap() / g["layers"].as_u64().unwrap();
+                    assert!(per_layer < dense / 3, "{model}: {g} is not 8-bit");
+                }
+                compared += sure;
+            }
+            // The Gemma fixtures are made with clear margins (scripts/make_tiny_models.py):
+            // the test compares real tokens there.
+            let least = if arch.starts_with("gemma") { 12 } else { 2 };
+            assert!(
+                compared >= least,
+                "{model}: only {compared} tokens before a near-tie"
             );
-            let got = ids(&out["tokens"]);
-            assert_eq!(got[..sure], want[..sure], "{arch}: 8-bit cache tokens");
         }
+    }
+}
+
+/// `kvq generate --json` of the first Gemma 3 prompt for `max` tokens: the per-group stats.
+fn gemma3_groups(extra: &[&str], max: &str) -> (usize, Vec<Value>) {
+    let r = reference("gemma3");
+    let prompt = r["cases"][0]["prompt"].as_str().unwrap();
+    let model = sources("gemma3")[1].clone();
+    let out = generate_n(&model, prompt, max, extra);
+    let len = ids(&out["prompt_tokens"]).len() + ids(&out["tokens"]).len();
+    let groups = out["stats"]["kv_groups"].as_array().unwrap().clone();
+    let total: u64 = groups.iter().map(|g| g["kv_bytes"].as_u64().unwrap()).sum();
+    assert_eq!(total, out["stats"]["kv_bytes"].as_u64().unwrap());
+    (len, groups)
+}
+
+#[test]
+fn windowed_layers_hold_a_flat_cache_while_the_global_layer_grows() {
+    // Gemma 3: two layers slide over 16 tokens, one is global; blocks of 16. Between steps the
+    // windowed group holds at most ceil(16/16) + 1 = 2 blocks, the global one every position.
+    for extra in [&[][..], &["--kv-bits", "8", "--kv-group-size", "32"][..]] {
+        let mut windowed = Vec::new();
+        for max in ["8", "120"] {
+            let (len, g) = gemma3_groups(extra, max);
+            assert_eq!(g.len(), 2, "{g:?}");
+            let (global, win) = (&g[0], &g[1]);
+            assert!(global["window"].is_null() && win["window"] == 16, "{g:?}");
+            assert_eq!(
+                (global["layers"].as_u64(), win["layers"].as_u64()),
+                (Some(1), Some(2))
+            );
+            let block = |g: &Value| 16 * g["kv_bytes_per_token"].as_u64().unwrap();
+            // Two layers to one: the windowed group's token is twice the global one's.
+            assert_eq!(block(win), 2 * block(global));
+            // Measured after each step: the last step that kept the sequence wrote len - 2.
+            let blocks = (len as u64 - 2).div_ceil(16);
+            assert_eq!(
+                global["kv_bytes"].as_u64().unwrap(),
+                blocks * block(global),
+                "{g:?}"
+            );
+            assert_eq!(win["kv_bytes"].as_u64().unwrap(), 2 * block(win), "{g:?}");
+            windowed.push((len, win["kv_bytes"].clone()));
+        }
+        assert!(
+            windowed[1].0 > windowed[0].0 + 64,
+            "{windowed:?}: the long run stopped early"
+        );
+        assert_eq!(windowed[0].1, windowed[1].1);
     }
 }
 

@@ -3,8 +3,7 @@
 //!
 //! One u32 buffer per (rows, table width) holds every input of a step: token ids, positions,
 //! the write slot of each row (and that slot repeated along a K/V row, the index a dense
-//! scatter takes), context lengths, first visible positions per layer window, and the block
-//! tables. The host builds it in one vector and copies it with one upload per step. Rows past
+//! scatter takes), context lengths, first visible positions, and the block tables. The host builds it in one vector and copies it with one upload per step. Rows past
 //! the real batch repeat row 0 (same token, position, slot and table): they write row 0's K/V
 //! again, bit for bit, into row 0's slot, and their outputs are ignored — no row of the batch
 //! depends on another, so padding changes nothing.
@@ -12,7 +11,8 @@
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::Arc;
 
-use super::plan::{first_visible, DecodeGroup, SeqSlice};
+use super::decode::HostTables;
+use super::plan::{DecodeGroup, GroupTables, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 use crate::kv::format::SlotRows;
 
@@ -25,12 +25,11 @@ fn align(n: usize) -> usize {
     n.div_ceil(4) * 4
 }
 
-/// The inputs of decode steps of `rows` sequences with block tables of `width` columns.
+/// The inputs of decode steps of `rows` sequences with block tables of `width` columns, on a
+/// cache of one layer group (models with windowed layers beside global ones run eagerly).
 pub struct FixedStep {
     rows: usize,
     width: usize,
-    /// Distinct layer windows, in layer order of first appearance.
-    windows: Vec<Option<usize>>,
     /// Values in one K (or V) row: the width of the scatter index.
     kv_width: usize,
     block_size: usize,
@@ -41,7 +40,7 @@ pub struct FixedStep {
     slots: Tensor,
     wide: Tensor,
     lens: Tensor,
-    starts: Vec<Tensor>,
+    starts: Tensor,
     tables: Tensor,
     /// The batch of the last [`FixedStep::fill`], padded to `rows` with copies of its first.
     batch: Vec<SeqSlice>,
@@ -52,24 +51,15 @@ pub struct FixedStep {
 impl FixedStep {
     /// Buffers for `rows` decode tokens whose block tables have at most `width` blocks.
     pub fn new(cache: &PagedKvCache, rows: usize, width: usize) -> Result<Self> {
-        let cfg = cache.config();
-        let mut windows: Vec<Option<usize>> = Vec::new();
-        for l in 0..cfg.num_layers {
-            let w = cache.layer_window(l);
-            if !windows.contains(&w) {
-                windows.push(w);
-            }
+        if cache.groups().len() != 1 {
+            return Err(err(format!(
+                "a cache of {} layer groups (one is supported)",
+                cache.groups().len()
+            )));
         }
+        let cfg = cache.config();
         let kv_width = cfg.width();
-        let sizes = [
-            rows,
-            rows,
-            rows,
-            rows * kv_width,
-            rows,
-            rows * windows.len(),
-            rows * width,
-        ];
+        let sizes = [rows, rows, rows, rows * kv_width, rows, rows, rows * width];
         let total: usize = sizes.iter().map(|&n| align(n)).sum();
         let buf = Tensor::zeros(total, DType::U32, cache.device())?;
         let mut at = 0;
@@ -80,13 +70,9 @@ impl FixedStep {
         }
         let [ids, pos, slots, wide, lens, starts, tables] =
             <[Tensor; 7]>::try_from(parts).map_err(|_| err("sections".into()))?;
-        let starts = (0..windows.len())
-            .map(|w| starts.narrow(0, w * rows, rows))
-            .collect::<Result<Vec<_>>>()?;
         Ok(FixedStep {
             rows,
             width,
-            windows,
             kv_width,
             block_size: cfg.block_size,
             host: vec![0; total],
@@ -120,7 +106,7 @@ impl FixedStep {
             )));
         }
         let bs = self.block_size;
-        let pool_rows = cache.config().num_blocks * bs;
+        let pool_rows = cache.config().pool_blocks.first().copied().unwrap_or(0) * bs;
         let cache_err = |e: crate::kv::cache::CacheError| err(e.to_string());
         let mut ids = Vec::with_capacity(rows);
         let mut pos = Vec::with_capacity(rows);
@@ -130,7 +116,7 @@ impl FixedStep {
             if s.n != 1 || !cache.in_main_pool(s.seq).map_err(cache_err)? {
                 return Err(err(format!("sequence {} is not a main-pool decode", s.seq)));
             }
-            let table = cache.block_table(s.seq).map_err(cache_err)?;
+            let table = cache.block_table(s.seq, 0).map_err(cache_err)?;
             if table.len() > width {
                 return Err(err(format!(
                     "sequence {} holds {} blocks, more than the {width} planned",
@@ -177,12 +163,12 @@ impl FixedStep {
             rows * kvw,
         );
         put(&mut pos.iter().map(|&p| p + 1), rows);
-        for w in &self.windows {
-            put(
-                &mut pos.iter().map(|&p| first_visible(*w, p as usize) as u32),
-                rows,
-            );
-        }
+        put(
+            &mut pos
+                .iter()
+                .map(|&p| cache.first_visible(0, p as usize) as u32),
+            rows,
+        );
         put(&mut tables.into_iter(), rows * width);
         crate::device::graph::write_u32(&self.buf, host)?;
         self.real = batch.len();
@@ -198,15 +184,13 @@ impl FixedStep {
             main: true,
             members: (0..self.rows).map(|i| (i, i, 1)).collect(),
             rows: None,
-            tables: self.tables.clone(),
-            starts: self
-                .windows
-                .iter()
-                .copied()
-                .zip(self.starts.iter().cloned())
-                .collect(),
             lens: self.lens.clone(),
-            host: Vec::new(),
+            tables: vec![GroupTables {
+                tables: self.tables.clone(),
+                starts: self.starts.clone(),
+                // The CUDA kernel reads the device tables only.
+                host: HostTables::default(),
+            }],
         };
         (&self.batch, vec![group])
     }

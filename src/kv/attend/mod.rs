@@ -16,7 +16,7 @@ pub use decode::{decode_attention, decode_attention_rotated};
 pub use dense::attend_one;
 #[cfg(feature = "cuda")]
 pub use fixed::FixedStep;
-pub use plan::{plan_decode, DecodeGroup, SeqSlice};
+pub use plan::{plan_decode, DecodeGroup, SeqSlice, SliceGroup};
 
 use candle_core::{Result, Tensor};
 
@@ -37,26 +37,22 @@ pub fn paged_attention(
 ) -> Result<Tensor> {
     let cfg = cache.config();
     let window = cache.layer_window(layer);
+    let group = cache.group_of(layer);
     let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
     for g in decode.iter().filter(|_| softcap.is_none()) {
         let rot = cache.rotation(layer, g.main);
-        let w = g
-            .starts
-            .iter()
-            .position(|(w, _)| *w == window)
-            .ok_or_else(|| {
-                candle_core::Error::Msg(format!("layer {layer}: its window was not planned"))
-            })?;
-        let starts = &g.starts[w].1;
+        let t = g.tables.get(group).ok_or_else(|| {
+            candle_core::Error::Msg(format!("layer {layer}: its layer group was not planned"))
+        })?;
         let qg = match &g.rows {
             Some(rows) => q.index_select(rows, 0)?,
-            None => q.narrow(0, 0, starts.dim(0)?)?,
+            None => q.narrow(0, 0, t.starts.dim(0)?)?,
         };
         let step = decode::StepTables {
-            tables: &g.tables,
-            starts,
+            tables: &t.tables,
+            starts: &t.starts,
             lens: &g.lens,
-            host: g.host.get(w),
+            host: Some(&t.host),
         };
         let o = decode::decode_attention_step(
             &qg,
@@ -78,15 +74,18 @@ pub fn paged_attention(
         if outs[i].is_some() {
             continue;
         }
-        let slots = match s.slots.get() {
+        let sg = s.groups.get(group).ok_or_else(|| {
+            candle_core::Error::Msg(format!("layer {layer}: its layer group was not sliced"))
+        })?;
+        let slots = match sg.slots.get() {
             Some(t) => t.clone(),
             None => {
                 let end = s.start + s.n;
                 let host = cache
-                    .slots(s.seq, s.kstart, end)
+                    .slots(s.seq, group, sg.kstart, end)
                     .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                let t = Tensor::from_vec(host, end - s.kstart, q.device())?;
-                s.slots.get_or_init(|| t.clone());
+                let t = Tensor::from_vec(host, end - sg.kstart, q.device())?;
+                sg.slots.get_or_init(|| t.clone());
                 t
             }
         };
@@ -94,17 +93,11 @@ pub fn paged_attention(
             .gather(layer, s.seq, &slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let qs = q.narrow(0, s.offset, s.n)?;
-        let known = s
-            .mask
-            .borrow()
-            .iter()
-            .find(|(w, _)| *w == window)
-            .map(|(_, m)| m.clone());
-        let mask = match known {
-            Some(m) => m,
+        let mask = match sg.mask.get() {
+            Some(m) => m.clone(),
             None => {
-                let m = chunk_mask(s.n, k.dim(0)?, s.start, s.kstart, window, q.device())?;
-                s.mask.borrow_mut().push((window, m.clone()));
+                let m = chunk_mask(s.n, k.dim(0)?, s.start, sg.kstart, window, q.device())?;
+                sg.mask.get_or_init(|| m.clone());
                 m
             }
         };
@@ -164,22 +157,16 @@ mod rotated_tests {
         let (kvh, h, d, len) = (2, 6, 64, 23);
         let (cache, k, v) = filled(len, kvh, d);
         let rot = cache.rotation(0, true).expect("rotated layer").clone();
-        let slots = Tensor::from_vec(cache.slots(0, 0, len).unwrap(), len, &Device::Cpu).unwrap();
+        let slots =
+            Tensor::from_vec(cache.slots(0, 0, 0, len).unwrap(), len, &Device::Cpu).unwrap();
         let (kr, vr) = cache.gather(0, 0, &slots, DType::F32).unwrap();
         let (ku, vu) = (rot.unrotate(&kr).unwrap(), rot.unrotate(&vr).unwrap());
         let scale = 1.0 / (d as f64).sqrt();
         for (n, as_decode) in [(1usize, false), (5, false), (5, true)] {
             let start = len - n;
             let q = Tensor::randn(0f32, 1.0, (n, h, d), &Device::Cpu).unwrap();
-            let batch = [SeqSlice {
-                seq: 0,
-                offset: 0,
-                start,
-                n,
-                kstart: 0,
-                slots: slots.clone().into(),
-                mask: Default::default(),
-            }];
+            let batch = [SeqSlice::new(&cache, 0, 0, start, n)];
+            batch[0].groups[0].slots.get_or_init(|| slots.clone());
             let plan = plan_decode(&cache, &batch, as_decode).unwrap();
             assert_eq!(plan.len(), usize::from(n == 1 || as_decode));
             let got = paged_attention(&q, &cache, 0, &batch, &plan, scale, None).unwrap();

@@ -1,9 +1,10 @@
 //! What a forward pass attends, decided once per step on the host: each sequence's slice of the
 //! batch ([`SeqSlice`]) and the groups of queries that go through the fused decode kernel
-//! together ([`DecodeGroup`], block tables uploaded once and shared by every layer).
+//! together ([`DecodeGroup`], block tables uploaded once per layer group of the cache and shared
+//! by every layer of the group).
 
 use candle_core::{Result, Tensor};
-use std::cell::{OnceCell, RefCell};
+use std::cell::OnceCell;
 
 use super::decode::HostTables;
 use crate::kv::cache::{PagedKvCache, SeqId};
@@ -16,21 +17,49 @@ pub struct SeqSlice {
     pub offset: usize,
     pub start: usize,
     pub n: usize,
-    /// First key position any of the new tokens can see in any layer (> 0 only with a
-    /// sliding window on every layer).
+    /// Per layer group of the cache (in its order): what a prompt chunk attending by gathering
+    /// needs in that group's layers.
+    pub groups: Vec<SliceGroup>,
+}
+
+/// A sequence slice's keys in one layer group.
+#[derive(Debug, Clone, Default)]
+pub struct SliceGroup {
+    /// First key position any of the new tokens can see in the group's layers (> 0 only
+    /// through a window).
     pub kstart: usize,
-    /// Cache slots of positions `kstart..start + n` (u32), shared by all layers: built by the
-    /// first layer that gathers this sequence's rows (a prompt chunk off the decode kernel), so
-    /// a decode step neither lists nor uploads any sequence's whole history.
+    /// Cache slots of positions `kstart..start + n` in the group's pool (u32): built by the
+    /// first layer of the group that gathers this sequence's rows (a prompt chunk off the
+    /// decode kernel), so a decode step neither lists nor uploads any sequence's history.
     pub slots: OnceCell<Tensor>,
-    /// A prompt chunk's causal mask per layer window (`None`: it needs none), built by the
-    /// first layer of that window that attends the chunk by gathering, shared by the others.
-    pub mask: RefCell<Vec<(Option<usize>, Option<Tensor>)>>,
+    /// The chunk's causal mask in the group's layers (`None`: it needs none), built by the
+    /// group's first layer that attends the chunk by gathering, shared by the others.
+    pub mask: OnceCell<Option<Tensor>>,
+}
+
+impl SeqSlice {
+    /// The slice of `n` new tokens of `seq` at rows `offset..`, starting after what the cache
+    /// holds (`start`), with each group's first visible key.
+    pub fn new(cache: &PagedKvCache, seq: SeqId, offset: usize, start: usize, n: usize) -> Self {
+        let groups = (0..cache.groups().len())
+            .map(|g| SliceGroup {
+                kstart: cache.first_visible(g, start),
+                ..SliceGroup::default()
+            })
+            .collect();
+        Self {
+            seq,
+            offset,
+            start,
+            n,
+            groups,
+        }
+    }
 }
 
 /// Queries that share a pool and go through the fused decode kernel together: every decode
 /// token (n = 1), and with `prefill_as_decode` every prompt token too. Built once per forward
-/// pass (block tables are the same in every layer).
+/// pass (block tables are the same in every layer of a group).
 pub struct DecodeGroup {
     pub(super) main: bool,
     /// Per member sequence, in batch order: its index in the batch, and the range of its
@@ -39,13 +68,19 @@ pub struct DecodeGroup {
     /// Row of each query in the flattened batch (u32 `[Q]`); `None` when they are rows 0..Q in
     /// order (a decode-only batch: no gather launch per layer).
     pub(super) rows: Option<Tensor>,
-    pub(super) tables: Tensor,
-    /// First visible position of each query, per distinct layer window.
-    pub(super) starts: Vec<(Option<usize>, Tensor)>,
     pub(super) lens: Tensor,
-    /// What `tables`, `starts` (one per window, in `starts`' order) and `lens` were made from
-    /// (CPU and generic paths read these).
-    pub(super) host: Vec<HostTables>,
+    /// Per layer group of the cache, in its order: each query's block table in that group's
+    /// pool and first visible position through the group's window.
+    pub(super) tables: Vec<GroupTables>,
+}
+
+/// A decode group's block tables and starts in one layer group.
+pub(super) struct GroupTables {
+    pub tables: Tensor,
+    pub starts: Tensor,
+    /// What `tables`, `starts` and the group's `lens` were made from (CPU and generic paths
+    /// read these).
+    pub host: HostTables,
 }
 
 /// Groups the batch's decode tokens (n = 1) by pool for [`paged_attention`](super::paged_attention). With
@@ -62,73 +97,67 @@ pub fn plan_decode(
 ) -> Result<Vec<DecodeGroup>> {
     let err = |e: crate::kv::cache::CacheError| candle_core::Error::Msg(e.to_string());
     let dev = cache.device();
-    let mut windows: Vec<Option<usize>> = Vec::new();
-    for l in 0..cache.config().num_layers {
-        let w = cache.layer_window(l);
-        if !windows.contains(&w) {
-            windows.push(w);
-        }
-    }
-    let mut groups = Vec::new();
+    let ngroups = cache.groups().len();
+    let mut out = Vec::new();
     for main in [true, false] {
         let mut members = Vec::new();
-        let mut tables = Vec::new();
         let (mut rows, mut lens) = (Vec::new(), Vec::new());
-        let mut starts: Vec<Vec<u32>> = vec![Vec::new(); windows.len()];
+        // Per layer group: each query's table and first visible position.
+        let mut tables: Vec<Vec<Vec<u32>>> = vec![Vec::new(); ngroups];
+        let mut starts: Vec<Vec<u32>> = vec![Vec::new(); ngroups];
         for (i, s) in batch.iter().enumerate() {
             if (s.n == 1 || prefill_as_decode) && cache.in_main_pool(s.seq).map_err(err)? == main {
                 members.push((i, rows.len(), s.n));
-                let table = cache.block_table(s.seq).map_err(err)?;
+                for g in 0..ngroups {
+                    let table = cache.block_table(s.seq, g).map_err(err)?;
+                    for t in 0..s.n {
+                        starts[g].push(cache.first_visible(g, s.start + t) as u32);
+                        tables[g].push(table.clone());
+                    }
+                }
                 for t in 0..s.n {
                     let pos = s.start + t;
                     rows.push((s.offset + t) as u32);
-                    for (st, w) in starts.iter_mut().zip(&windows) {
-                        st.push(first_visible(*w, pos) as u32);
-                    }
                     lens.push(pos as u32 + 1);
-                    tables.push(table.clone());
                 }
             }
         }
         if members.is_empty() {
             continue;
         }
-        let width = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let flat: Vec<u32> = tables
-            .iter()
-            .flat_map(|t| t.iter().copied().chain(std::iter::repeat(0)).take(width))
-            .collect();
         let q = rows.len();
         let in_order = rows.iter().enumerate().all(|(i, &r)| r == i as u32);
-        groups.push(DecodeGroup {
+        let per_group = tables
+            .into_iter()
+            .zip(starts)
+            .map(|(tables, starts)| -> Result<GroupTables> {
+                let width = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+                let flat: Vec<u32> = tables
+                    .iter()
+                    .flat_map(|t| t.iter().copied().chain(std::iter::repeat(0)).take(width))
+                    .collect();
+                Ok(GroupTables {
+                    tables: Tensor::new(flat.as_slice(), dev)?.reshape((q, width))?,
+                    starts: Tensor::new(starts.as_slice(), dev)?,
+                    host: HostTables {
+                        tables: flat,
+                        starts,
+                        lens: lens.clone(),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.push(DecodeGroup {
             main,
             rows: if in_order {
                 None
             } else {
                 Some(Tensor::from_vec(rows, q, dev)?)
             },
-            starts: windows
-                .iter()
-                .zip(&starts)
-                .map(|(w, st)| Ok((*w, Tensor::new(st.as_slice(), dev)?)))
-                .collect::<Result<Vec<_>>>()?,
             lens: Tensor::new(lens.as_slice(), dev)?,
-            tables: Tensor::new(flat.as_slice(), dev)?.reshape((q, width))?,
+            tables: per_group,
             members,
-            host: starts
-                .into_iter()
-                .map(|starts| HostTables {
-                    tables: flat.clone(),
-                    starts,
-                    lens: lens.clone(),
-                })
-                .collect(),
         });
     }
-    Ok(groups)
-}
-
-/// First position a query at `pos` sees through a window of `window` positions (if any).
-pub(super) fn first_visible(window: Option<usize>, pos: usize) -> usize {
-    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    Ok(out)
 }

@@ -91,8 +91,16 @@ pub enum PoolSizing {
         max_batch: usize,
         chunk: usize,
     },
-    /// Exactly this many main-pool blocks (a memory budget), staging for `max_batch`.
-    Blocks { blocks: usize, max_batch: usize },
+    /// A memory budget of `bytes` for the main pools, shared by the layer groups as a sequence
+    /// of up to `tokens` tokens in chunks of `chunk` uses them (windowed groups get no more than
+    /// `max_batch` sequences can hold while a global group takes the rest); staging for
+    /// `max_batch`.
+    Budget {
+        bytes: usize,
+        tokens: usize,
+        max_batch: usize,
+        chunk: usize,
+    },
     /// One sequence at a time of up to `tokens` tokens in chunks of `chunk` (perplexity
     /// windows): the most it can hold at once, plus one block.
     Window { tokens: usize, chunk: usize },
@@ -278,8 +286,9 @@ pub struct CacheConfig {
     pub head_dim: usize,
     /// Tokens per block.
     pub block_size: usize,
-    /// Blocks in the main pool (the memory budget).
-    pub num_blocks: usize,
+    /// Blocks in each layer group's main pool, in [`CacheConfig::groups`] order (the memory
+    /// budget); one entry serves every group.
+    pub pool_blocks: Vec<usize>,
     /// Main-pool format of each layer.
     pub formats: Vec<KvFormat>,
     pub staging: Option<Staging>,
@@ -294,7 +303,7 @@ pub struct CacheConfig {
 }
 
 impl CacheConfig {
-    /// A cache with every layer in one dense dtype.
+    /// A cache with every layer in one dense dtype and `num_blocks` blocks in each group.
     pub fn dense(
         num_layers: usize,
         num_kv_heads: usize,
@@ -308,7 +317,7 @@ impl CacheConfig {
             num_kv_heads,
             head_dim,
             block_size,
-            num_blocks,
+            pool_blocks: vec![num_blocks],
             formats: vec![KvFormat::Dense(dtype); num_layers],
             staging: None,
             window: None,
@@ -352,7 +361,7 @@ impl CacheConfig {
         })
     }
 
-    /// Bytes of one main-pool block over all layers, K and V.
+    /// Bytes of one main-pool block over all layers (a block of every group), K and V.
     pub fn bytes_per_block(&self) -> usize {
         self.block_size * self.bytes_per_token()
     }
@@ -377,40 +386,21 @@ impl CacheConfig {
     pub fn prefix_in_staging(&self, n: usize) -> bool {
         matches!(&self.staging, Some(st) if st.tokens > 0 && n < st.tokens)
     }
-
-    /// Most main-pool blocks a sequence holding up to `tokens` tokens, fed in chunks of at most
-    /// `chunk` tokens, can own at once (the sliding window bounds it).
-    pub fn max_blocks_for(&self, tokens: usize, chunk: usize) -> usize {
-        let all = self.blocks_for(tokens);
-        match self.kept_window() {
-            Some(w) => all.min(self.blocks_for(w + chunk) + 1),
-            None => all,
-        }
-    }
 }
 
 impl CacheConfig {
     /// Sets the main and staging pools' block counts by `sizing` (the one place pools are sized).
     pub fn size_pools(&mut self, sizing: PoolSizing) {
-        let (main, max_batch) = match sizing {
-            PoolSizing::Sequences {
-                tokens,
-                max_batch,
-                chunk,
-            } => {
-                let mut blocks = tokens.div_ceil(self.block_size) + max_batch;
-                if self.kept_window().is_some() {
-                    // A window caps what each sequence can hold.
-                    blocks = blocks.min(max_batch * self.max_blocks_for(usize::MAX / 2, chunk));
-                }
-                (blocks, max_batch)
+        self.pool_blocks = self.group_pool_blocks(sizing);
+        let max_batch = match sizing {
+            PoolSizing::Sequences { max_batch, .. } | PoolSizing::Budget { max_batch, .. } => {
+                max_batch
             }
-            PoolSizing::Blocks { blocks, max_batch } => (blocks, max_batch),
-            PoolSizing::Window { tokens, chunk } => (self.max_blocks_for(tokens, chunk) + 1, 1),
+            PoolSizing::Window { .. } => 1,
         };
-        self.num_blocks = main;
         let bs = self.block_size;
         let most = self.max_seq_len.unwrap_or(usize::MAX);
+        // Every group's staging pool gets the same count: a staged sequence is short.
         if let Some(st) = self.staging.as_mut() {
             let staged = st.tokens.min(most);
             st.num_blocks = max_batch.saturating_mul(staged.div_ceil(bs) + 1);

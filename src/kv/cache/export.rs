@@ -5,26 +5,30 @@ use super::*;
 
 impl PagedKvCache {
     /// The stored rows of positions `0..len` of `id`, per layer, exactly as kept (codes stay
-    /// codes). Fails if the sliding window already let go of some of them.
+    /// codes). Fails if a window already let go of some of them (see [`Self::keep_history`]).
     pub fn export_rows(&self, id: SeqId) -> Result<Vec<LayerRows>> {
         let s = self.seq(id)?;
         let bs = self.cfg.block_size;
-        // The window only ever drops leading blocks.
-        let dropped = s.blocks.iter().take_while(|b| b.is_none()).count();
-        if dropped > 0 {
-            return Err(CacheError::Rows(format!(
-                "sequence {id}: its first {} positions already left the --max-kv-size window, \
-                 so its history cannot be exported",
-                (dropped * bs).min(s.len)
-            )));
+        let mut out: Vec<Option<LayerRows>> = vec![None; self.cfg.num_layers];
+        for (g, (lg, table)) in self.layout.iter().zip(&s.tables).enumerate() {
+            // A window only ever drops leading blocks.
+            let dropped = table.iter().take_while(|b| b.is_none()).count();
+            if dropped > 0 {
+                return Err(CacheError::Rows(format!(
+                    "sequence {id}: its first {} positions already left the {}-token window                      (--max-kv-size or the model's sliding window) of layer {}, so its history \
+                     cannot be exported",
+                    (dropped * bs).min(s.len),
+                    lg.window.unwrap_or(0),
+                    lg.layers.first().copied().unwrap_or(0),
+                )));
+            }
+            let slots = Tensor::from_vec(self.slots(id, g, 0, s.len)?, s.len, &self.device)?;
+            let pool = self.groups[g].pool(s.pool);
+            for (at, &l) in lg.layers.iter().enumerate() {
+                out[l] = Some(pool.layers[at].read_rows(&slots)?);
+            }
         }
-        let slots = Tensor::from_vec(self.slots(id, 0, s.len)?, s.len, &self.device)?;
-        Ok(self
-            .pool(s.pool)
-            .layers
-            .iter()
-            .map(|l| l.read_rows(&slots))
-            .collect::<candle_core::Result<Vec<_>>>()?)
+        Ok(out.into_iter().flatten().collect())
     }
 
     /// The format of each layer in which a new sequence keeps its first `n` tokens (see
@@ -83,10 +87,14 @@ impl PagedKvCache {
         while start < n {
             let c = chunk.min(n - start);
             self.reserve(id, c)?;
-            let slots = Tensor::from_vec(self.slots(id, start, start + c)?, c, &self.device)?;
-            let pool = self.pool(self.seq(id)?.pool);
-            for (layer, r) in pool.layers.iter().zip(rows) {
-                layer.write_rows(&slots, &r.narrow(start, c)?)?;
+            let pool = self.seq(id)?.pool;
+            for (g, lg) in self.layout.iter().enumerate() {
+                let slots = self.slots(id, g, start, start + c)?;
+                let slots = Tensor::from_vec(slots, c, &self.device)?;
+                for (at, &l) in lg.layers.iter().enumerate() {
+                    let layer = &self.groups[g].pool(pool).layers[at];
+                    layer.write_rows(&slots, &rows[l].narrow(start, c)?)?;
+                }
             }
             self.advance(id, c)?;
             start += c;

@@ -1,32 +1,42 @@
-//! The paged KV cache: fixed-size blocks of tokens taken from a pool, a block table per sequence.
+//! The paged KV cache: fixed-size blocks of tokens taken from pools, block tables per sequence.
 //!
-//! Every layer owns one storage of `num_blocks * block_size` token slots per K and V
-//! ([`LayerKv`]); a block id names the same slots in every layer, so one block table per
-//! sequence serves all layers (as in vLLM). Adding or removing a sequence only moves block ids
-//! between a free list and a table: nobody else's data is copied, and the only waste is the
-//! unfilled tail of each sequence's last block. Pools are sized up front (the memory budget);
-//! `reserve` fails cleanly when one is full so the scheduler can wait instead of crashing.
+//! Layers are split into *layer groups* by the window they attend through ([`groups`]): the
+//! global layers form one group, each sliding-window size another (Gemma 2/3, Qwen2's sliding
+//! layers, `--max-kv-size`). Each group owns a pool: every layer of the group has one storage
+//! of `blocks * block_size` token slots per K and V ([`LayerKv`]) and a block id names the same
+//! slots in each of them, so one block table per sequence and group serves all its layers (as
+//! in vLLM's hybrid cache). Adding or removing a sequence only moves block ids between free
+//! lists and tables: nobody else's data is copied, and the only waste is the unfilled tail of
+//! each sequence's last block per group. Pools are sized up front (the memory budget, split
+//! between groups by what a sequence holds in each); `reserve` fails cleanly when one is full
+//! so the scheduler can wait instead of crashing.
 //!
 //! Policies are block-level, never special cases in the model:
-//! - per-layer formats: each layer's main pool is dense or affine-quantized (`--kv-bits`,
-//!   `--kv-dense-layers`); tokens are quantized once, as they are written;
-//! - `--quantized-kv-start N`: a sequence first lives in a small dense *staging* pool; the
-//!   write that would bring it to N tokens first moves its history into the main pool
-//!   (quantizing each row exactly as a direct write would) and frees its staging blocks;
-//! - `--max-kv-size W`: blocks whose tokens no future query can see (all positions ≤ len − W)
-//!   go back to the pool, so a sequence holds at most ⌈W / block_size⌉ + 1 blocks;
-//! - per-layer windows (the model's sliding-window layers, [`CacheConfig::layer_windows`]):
-//!   each layer attends through its own window, capped by `--max-kv-size`; blocks go back once
-//!   no layer can see them (while one block table serves all layers, a model with any global
-//!   layer keeps every block).
+//! - per-layer formats: each layer's main storage is dense or affine-quantized (`--kv-bits`,
+//!   `--kv-dense-layers`), windowed layers like any other; tokens are quantized once, as they
+//!   are written;
+//! - `--quantized-kv-start N`: a sequence first lives in small dense *staging* pools (one per
+//!   group); the write that would bring it to N tokens first moves its history into the main
+//!   pools (quantizing each row exactly as a direct write would) and frees its staging blocks;
+//! - windows: a group whose layers attend through a window of W positions (the model's own,
+//!   capped by `--max-kv-size`) lets go of blocks whose tokens no future query can see (all
+//!   positions ≤ len − W), so a sequence holds at most ⌈W / block_size⌉ + 1 of its blocks
+//!   between steps, whatever its length; the global group keeps every block;
+//! - [`PagedKvCache::keep_history`]: a sequence whose prompt is to be exported keeps every
+//!   block of it in every group until the step after the prompt is complete.
 
 pub mod config;
 mod export;
+pub mod groups;
+mod pools;
 pub mod prefix;
 pub mod prompt_file;
 mod reuse;
+mod staging;
+mod usage;
 
 pub use config::{CacheConfig, KvOptions, ModelShape, PoolSizing, QuantScheme, Staging};
+pub use groups::{Blocks, LayerGroup};
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -34,17 +44,20 @@ use std::sync::{Arc, Mutex};
 
 use crate::kv::format::rotation::{Rotation, DEFAULT_SEED};
 use crate::kv::format::{KvFormat, LayerKv, LayerRows, SlotRows};
+use pools::{BlockPool, GroupPools};
 
 /// Identifies one sequence in the cache (the scheduler's request number).
 pub type SeqId = u64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    #[error("KV cache full: {needed} more blocks needed, {free} free of {total}")]
+    #[error("KV cache full: {needed} more blocks needed, {free} free of {total}{}", group_note(.window))]
     OutOfBlocks {
         needed: usize,
         free: usize,
         total: usize,
+        /// The window of the group that is full (`None`: the global layers).
+        window: Option<usize>,
     },
     #[error("unknown sequence {0} in the KV cache")]
     UnknownSeq(SeqId),
@@ -55,6 +68,12 @@ pub enum CacheError {
     Rows(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+fn group_note(window: &Option<usize>) -> String {
+    window.map_or(String::new(), |w| {
+        format!(" in the pool of the layers with a {w}-token window")
+    })
 }
 
 pub type Result<T> = std::result::Result<T, CacheError>;
@@ -68,63 +87,28 @@ enum Pool {
 #[derive(Debug, Clone)]
 struct SeqState {
     pool: Pool,
-    /// Block of each position range, in order; `None` once freed by the sliding window.
-    blocks: Vec<Option<u32>>,
+    /// Per layer group: the block of each position range, in order; `None` once freed by the
+    /// group's window.
+    tables: Vec<Vec<Option<u32>>>,
     len: usize,
-}
-
-struct BlockPool {
-    layers: Vec<LayerKv>,
-    free: Vec<u32>,
-    total: usize,
-}
-
-impl BlockPool {
-    fn new(
-        formats: &[KvFormat],
-        blocks: usize,
-        block_size: usize,
-        width: usize,
-        dev: &Device,
-    ) -> Result<Self> {
-        let layers = formats
-            .iter()
-            .map(|f| LayerKv::zeros(*f, blocks * block_size, width, dev))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self {
-            layers,
-            // Pop from the end: hand out low block ids first.
-            free: (0..blocks as u32).rev().collect(),
-            total: blocks,
-        })
-    }
-
-    fn take(&mut self, n: usize) -> Result<Vec<u32>> {
-        if n > self.free.len() {
-            return Err(CacheError::OutOfBlocks {
-                needed: n,
-                free: self.free.len(),
-                total: self.total,
-            });
-        }
-        Ok((0..n).filter_map(|_| self.free.pop()).collect())
-    }
+    /// Positions below this stay held in every group while `len` ≤ it ([`PagedKvCache::keep_history`]).
+    keep: usize,
 }
 
 pub struct PagedKvCache {
     cfg: CacheConfig,
     device: Device,
-    main: BlockPool,
-    staging: Option<BlockPool>,
+    layout: Vec<LayerGroup>,
+    groups: Vec<GroupPools>,
+    /// Group of each layer and its index among the group's layers.
+    layer_at: Vec<(usize, usize)>,
     seqs: HashMap<SeqId, SeqState>,
     peak_bytes: usize,
     /// Built when any main-pool layer is rotated (one rotation serves every layer and head).
     rotation: Option<Rotation>,
-    /// The slots of the last write, per pool written: every layer of a step writes the same
-    /// ones, so they are uploaded to the device once per step, not once per layer.
-    last_slots: Mutex<Vec<Arc<SlotRows>>>,
-    /// Automatic prefix reuse of main-pool blocks (see [`prefix`]), when enabled.
-    prefix: Option<prefix::PrefixIndex>,
+    /// The slots of the last write per group, per pool written: every layer of a group writes
+    /// the same ones in a step, so they are uploaded to the device once per step and group.
+    last_slots: Mutex<Vec<Vec<Arc<SlotRows>>>>,
 }
 
 impl PagedKvCache {
@@ -144,27 +128,42 @@ impl PagedKvCache {
             None
         };
         let w = cfg.width();
-        let main = BlockPool::new(&cfg.formats, cfg.num_blocks, cfg.block_size, w, device)?;
-        let staging = match &cfg.staging {
-            Some(s) => Some(BlockPool::new(
-                &vec![KvFormat::Dense(s.dtype); cfg.num_layers],
-                s.num_blocks,
-                cfg.block_size,
-                w,
-                device,
-            )?),
-            None => None,
-        };
+        let layout = cfg.groups();
+        let mut layer_at = vec![(0, 0); cfg.num_layers];
+        let mut groups = Vec::with_capacity(layout.len());
+        for (g, lg) in layout.iter().enumerate() {
+            for (i, &l) in lg.layers.iter().enumerate() {
+                layer_at[l] = (g, i);
+            }
+            let formats: Vec<KvFormat> = lg.layers.iter().map(|&l| cfg.formats[l]).collect();
+            let main = BlockPool::new(&formats, cfg.blocks_of(g), cfg.block_size, w, device)?;
+            let staging = match &cfg.staging {
+                Some(s) => Some(BlockPool::new(
+                    &vec![KvFormat::Dense(s.dtype); lg.layers.len()],
+                    s.num_blocks,
+                    cfg.block_size,
+                    w,
+                    device,
+                )?),
+                None => None,
+            };
+            groups.push(GroupPools {
+                window: lg.window,
+                main,
+                staging,
+                prefix: None,
+            });
+        }
         Ok(Self {
-            cfg,
             device: device.clone(),
-            main,
-            staging,
+            last_slots: Mutex::new(vec![Vec::new(); layout.len()]),
+            cfg,
+            layout,
+            groups,
+            layer_at,
             seqs: HashMap::new(),
             peak_bytes: 0,
             rotation,
-            last_slots: Mutex::default(),
-            prefix: None,
         })
     }
 
@@ -174,6 +173,16 @@ impl PagedKvCache {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The layer groups, in the order every per-group value follows.
+    pub fn groups(&self) -> &[LayerGroup] {
+        &self.layout
+    }
+
+    /// The group `layer` belongs to.
+    pub fn group_of(&self, layer: usize) -> usize {
+        self.layer_at.get(layer).map_or(0, |&(g, _)| g)
     }
 
     pub fn add_sequence(&mut self, id: SeqId) -> Result<()> {
@@ -188,27 +197,31 @@ impl PagedKvCache {
             id,
             SeqState {
                 pool,
-                blocks: Vec::new(),
+                tables: vec![Vec::new(); self.groups.len()],
                 len: 0,
+                keep: 0,
             },
         );
         Ok(())
     }
 
-    /// Drops a sequence and returns its blocks to their pool at once.
+    /// Drops a sequence and returns its blocks to their pools at once.
     pub fn remove_sequence(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            let blocks = s.blocks.into_iter().flatten().rev();
-            match (&mut self.prefix, s.pool) {
-                // Shared or cached blocks stay; from the table's end, so a parked chain is
-                // evicted from its end.
-                (Some(p), Pool::Main) => {
-                    let freed: Vec<u32> = blocks.filter(|&b| p.release(b)).collect();
-                    self.main.free.extend(freed);
-                }
-                _ => self.pool_mut(s.pool).free.extend(blocks),
+            for (g, table) in self.groups.iter_mut().zip(s.tables) {
+                g.give_back(s.pool, table.into_iter().flatten().collect());
             }
         }
+    }
+
+    /// Keeps every block of `id`'s first `tokens` positions in every group until the step after
+    /// the sequence holds them all (windows free nothing of them before), so they can be
+    /// exported ([`Self::export_rows`]); admission counts them with
+    /// [`CacheConfig::max_blocks_keeping`].
+    pub fn keep_history(&mut self, id: SeqId, tokens: usize) -> Result<()> {
+        let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
+        s.keep = tokens;
+        Ok(())
     }
 
     pub fn contains(&self, id: SeqId) -> bool {
@@ -220,23 +233,30 @@ impl PagedKvCache {
         Ok(self.seq(id)?.len)
     }
 
-    /// Free blocks in the main pool.
-    pub fn free_blocks(&self) -> usize {
-        self.main.free.len() + self.prefix_cached_blocks()
+    /// Blocks each group's main pool could hand out now (free, or parked prefix blocks).
+    pub fn free_blocks(&self) -> Blocks {
+        Blocks(self.groups.iter().map(|g| g.room(Pool::Main)).collect())
     }
 
-    /// Main-pool blocks `id` owns now.
-    pub fn owned_blocks(&self, id: SeqId) -> Result<usize> {
+    /// Main-pool blocks `id` owns now, per group.
+    pub fn owned_blocks(&self, id: SeqId) -> Result<Blocks> {
         let s = self.seq(id)?;
-        Ok(if s.pool == Pool::Main {
-            s.blocks.iter().flatten().count()
-        } else {
-            0
-        })
+        Ok(Blocks(
+            s.tables
+                .iter()
+                .map(|t| {
+                    if s.pool == Pool::Main {
+                        t.iter().flatten().count()
+                    } else {
+                        0
+                    }
+                })
+                .collect(),
+        ))
     }
 
-    /// Makes room for `n_new` more tokens of `id` (all-or-nothing). A staging sequence that
-    /// would reach the quantization threshold moves to the main pool first.
+    /// Makes room for `n_new` more tokens of `id` in every group (all-or-nothing). A staging
+    /// sequence that would reach the quantization threshold moves to the main pools first.
     pub fn reserve(&mut self, id: SeqId, n_new: usize) -> Result<()> {
         let s = self.seq(id)?;
         if s.pool == Pool::Staging {
@@ -245,62 +265,37 @@ impl PagedKvCache {
                 self.promote(id)?;
             }
         }
-        let bs = self.cfg.block_size;
         let s = self.seq(id)?;
-        let needed = self
-            .cfg
-            .blocks_for(s.len + n_new)
-            .saturating_sub(s.blocks.len());
+        let want = self.cfg.blocks_for(s.len + n_new);
         let pool = s.pool;
-        let new = match pool {
-            Pool::Main => self.take_main(needed)?,
-            Pool::Staging => self.pool_mut(pool).take(needed)?,
-        };
-        let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
-        s.blocks.extend(new.into_iter().map(Some));
-        debug_assert!(s.blocks.len() * bs >= s.len + n_new);
-        self.note_peak();
-        Ok(())
-    }
-
-    /// Moves a staging sequence's history into the main pool (quantizing it if the layer's
-    /// format says so) and frees its staging blocks.
-    fn promote(&mut self, id: SeqId) -> Result<()> {
-        let s = self.seq(id)?.clone();
-        let new = self.main.take(self.cfg.blocks_for(s.len))?;
-        let bs = self.cfg.block_size;
-        if s.len > 0 {
-            let staging = self
-                .staging
-                .as_ref()
-                .expect("staging sequence has a staging pool");
-            let src_slots: Vec<u32> = (0..s.len)
-                .map(|p| {
-                    s.blocks[p / bs].expect("staging blocks are never windowed") * bs as u32
-                        + (p % bs) as u32
-                })
-                .collect();
-            let src_slots = Tensor::from_vec(src_slots, s.len, &self.device)?;
-            let dst_slots = SlotRows::new(
-                (0..s.len)
-                    .map(|p| new[p / bs] * bs as u32 + (p % bs) as u32)
-                    .collect(),
-            );
-            for (l, dst) in self.main.layers.iter().enumerate() {
-                let (k, v) =
-                    staging.layers[l].gather(&src_slots, staging_dtype(&staging.layers[l]))?;
-                let (k, v) = match self.rotation(l, true) {
-                    Some(r) => (r.rotate(&k)?, r.rotate(&v)?),
-                    None => (k, v),
-                };
-                dst.write_slots(&dst_slots, &k, &v)?;
+        let needed: Vec<usize> = s
+            .tables
+            .iter()
+            .map(|t| want.saturating_sub(t.len()))
+            .collect();
+        for (g, &n) in self.groups.iter().zip(&needed) {
+            if n > g.room(pool) {
+                return Err(CacheError::OutOfBlocks {
+                    needed: n,
+                    free: g.room(pool),
+                    total: g.pool(pool).total,
+                    window: g.window,
+                });
             }
         }
-        let staging = self.staging.as_mut().expect("staging pool");
-        staging.free.extend(s.blocks.iter().flatten().rev());
-        let st = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
-        st.pool = Pool::Main;
-        st.blocks = new.into_iter().map(Some).collect();
+        for (g, &n) in needed.iter().enumerate() {
+            let new = match pool {
+                Pool::Main => self.take_main(g, n)?,
+                Pool::Staging => {
+                    let gp = &mut self.groups[g];
+                    let w = gp.window;
+                    gp.pool_mut(pool).take(n, w)?
+                }
+            };
+            let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
+            s.tables[g].extend(new.into_iter().map(Some));
+        }
+        self.note_peak();
         Ok(())
     }
 
@@ -309,21 +304,23 @@ impl PagedKvCache {
         self.cfg.layer_window(layer)
     }
 
-    /// First position a query at `pos` can see in any layer.
-    pub fn first_visible(&self, pos: usize) -> usize {
-        match self.cfg.kept_window() {
+    /// First position a query at `pos` can see in the layers of `group`.
+    pub fn first_visible(&self, group: usize, pos: usize) -> usize {
+        match self.layout.get(group).and_then(|g| g.window) {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         }
     }
 
-    /// Slot index of each position in `from..to` of `id` (the gather list for attention).
-    pub fn slots(&self, id: SeqId, from: usize, to: usize) -> Result<Vec<u32>> {
+    /// Slot index of each position in `from..to` of `id` in `group`'s pool (the gather list
+    /// for attention in that group's layers).
+    pub fn slots(&self, id: SeqId, group: usize, from: usize, to: usize) -> Result<Vec<u32>> {
         let s = self.seq(id)?;
+        let table = s.tables.get(group).ok_or_else(|| no_group(group))?;
         let bs = self.cfg.block_size;
         (from..to)
             .map(|p| {
-                let b = s.blocks.get(p / bs).copied().flatten().ok_or_else(|| {
+                let b = table.get(p / bs).copied().flatten().ok_or_else(|| {
                     CacheError::Candle(candle_core::Error::Msg(format!(
                         "sequence {id}: position {p} is not in the cache"
                     )))
@@ -361,25 +358,32 @@ impl PagedKvCache {
         // The main pool's rows are rotated on the way in (fused with the quantization where a
         // kernel does both); staging keeps them as they are.
         let rot = self.rotation(layer, true);
+        let (g, at) = self.layer_place(layer)?;
         // Per pool: which rows of k/v go to which slots, so each pool takes one write per
         // layer (one fused launch per tensor on CUDA) instead of one per sequence and block.
         let bs = self.cfg.block_size;
         let mut plan: Vec<(Pool, Vec<u32>, Vec<u32>)> = Vec::new();
         for &(id, start, offset, n) in spans {
             let s = self.seq(id)?;
-            let at = match plan.iter().position(|(p, ..)| *p == s.pool) {
+            let i = match plan.iter().position(|(p, ..)| *p == s.pool) {
                 Some(i) => i,
                 None => {
                     plan.push((s.pool, Vec::new(), Vec::new()));
                     plan.len() - 1
                 }
             };
-            let (_, src, dst) = &mut plan[at];
+            let (_, src, dst) = &mut plan[i];
             for i in 0..n {
                 let pos = start + i;
-                let block = s.blocks.get(pos / bs).copied().flatten().ok_or_else(|| {
-                    candle_core::Error::Msg(format!("sequence {id}: position {pos} not reserved"))
-                })?;
+                let block = s.tables[g]
+                    .get(pos / bs)
+                    .copied()
+                    .flatten()
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(format!(
+                            "sequence {id}: position {pos} not reserved"
+                        ))
+                    })?;
                 src.push((offset + i) as u32);
                 dst.push(block * bs as u32 + (pos % bs) as u32);
             }
@@ -388,7 +392,7 @@ impl PagedKvCache {
         let mut last = self.last_slots.lock().expect("poisoned slot cache");
         let mut used = Vec::with_capacity(plan.len());
         for (pool, src, dst) in plan {
-            let slots = match last.iter().find(|s| s.as_slice() == dst.as_slice()) {
+            let slots = match last[g].iter().find(|s| s.as_slice() == dst.as_slice()) {
                 Some(s) => s.clone(),
                 None => Arc::new(SlotRows::new(dst)),
             };
@@ -399,14 +403,14 @@ impl PagedKvCache {
                     let idx = Tensor::from_slice(&src, src.len(), k.device())?;
                     (k.index_select(&idx, 0)?, v.index_select(&idx, 0)?)
                 };
-            let dst = &self.pool(pool).layers[layer];
+            let dst = &self.groups[g].pool(pool).layers[at];
             match (rot, pool) {
                 (Some(r), Pool::Main) => dst.write_slots_rotated(&slots, &k, &v, r)?,
                 _ => dst.write_slots(&slots, &k, &v)?,
             }
             used.push(slots);
         }
-        *last = used;
+        last[g] = used;
         Ok(())
     }
 
@@ -421,13 +425,15 @@ impl PagedKvCache {
         v: &Tensor,
     ) -> Result<()> {
         let rot = self.rotation(layer, true);
-        Ok(self.pool(Pool::Main).layers[layer].write_slots_on_device(slots, k, v, rot)?)
+        Ok(self
+            .layer_storage(layer, true)
+            .write_slots_on_device(slots, k, v, rot)?)
     }
 
     /// The K and V pools of `layer` in the main pool when they are dense rows of `dtype`
     /// stored as they come (no rotation): what a fused kernel may write new rows into itself.
     pub fn dense_layer(&self, layer: usize, dtype: DType) -> Option<(&Tensor, &Tensor)> {
-        match &self.pool(Pool::Main).layers[layer] {
+        match self.layer_storage(layer, true) {
             LayerKv::Dense { k, v }
                 if k.dtype() == dtype && self.rotation(layer, true).is_none() =>
             {
@@ -438,36 +444,37 @@ impl PagedKvCache {
     }
 
     /// Records that `n` tokens were appended to `id` (after every layer wrote them), and lets
-    /// go of blocks that slid out of the window.
+    /// go of each windowed group's blocks that slid out of its window.
     pub fn advance(&mut self, id: SeqId, n: usize) -> Result<()> {
         let bs = self.cfg.block_size;
-        let window = self.cfg.kept_window();
         let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
-        if s.len + n > s.blocks.len() * bs {
+        let reserved = s.tables.iter().map(Vec::len).min().unwrap_or(0);
+        if s.len + n > reserved * bs {
             return Err(candle_core::Error::Msg(format!(
                 "sequence {id}: advancing past its reserved blocks"
             ))
             .into());
         }
         s.len += n;
-        let mut freed = Vec::new();
-        if let Some(w) = window {
+        if s.len <= s.keep {
+            return Ok(()); // its history is kept whole until it is exported
+        }
+        for (g, table) in self.groups.iter_mut().zip(s.tables.iter_mut()) {
+            let Some(w) = g.window else { continue };
             // The next query is at position len; it sees positions > len - w.
             let keep_from = (s.len + 1).saturating_sub(w);
-            for (b, slot) in s.blocks.iter_mut().enumerate() {
-                if (b + 1) * bs <= keep_from {
-                    if let Some(id) = slot.take() {
-                        freed.push(id);
-                    }
-                }
-            }
+            let freed: Vec<u32> = table
+                .iter_mut()
+                .take(keep_from / bs)
+                .filter_map(Option::take)
+                .collect();
+            g.give_back(s.pool, freed);
         }
-        let pool = s.pool;
-        self.pool_mut(pool).free.extend(freed);
         Ok(())
     }
 
-    /// K and V of `slots` of `id` in `layer` as dense `[n, kv_heads, head_dim]` of `dtype`.
+    /// K and V of `slots` (of `layer`'s group) of `id` in `layer` as dense
+    /// `[n, kv_heads, head_dim]` of `dtype`.
     pub fn gather(
         &self,
         layer: usize,
@@ -476,23 +483,26 @@ impl PagedKvCache {
         dtype: DType,
     ) -> Result<(Tensor, Tensor)> {
         let s = self.seq(id)?;
+        let (g, at) = self.layer_place(layer)?;
         let n = slots.dim(0)?;
         let shape = (n, self.cfg.num_kv_heads, self.cfg.head_dim);
-        let (k, v) = self.pool(s.pool).layers[layer].gather(slots, dtype)?;
+        let (k, v) = self.groups[g].pool(s.pool).layers[at].gather(slots, dtype)?;
         Ok((k.reshape(shape)?, v.reshape(shape)?))
     }
 
-    /// Whether `id` lives in the main pool (else in dense staging).
+    /// Whether `id` lives in the main pools (else in dense staging).
     pub fn in_main_pool(&self, id: SeqId) -> Result<bool> {
         Ok(self.seq(id)?.pool == Pool::Main)
     }
 
-    /// Block ids of `id` in position order; blocks freed by the window read as 0 (never
-    /// visited: they lie before the first visible position).
-    pub fn block_table(&self, id: SeqId) -> Result<Vec<u32>> {
+    /// Block ids of `id` in `group`, in position order; blocks freed by the group's window read
+    /// as 0 (never visited: they lie before the first visible position).
+    pub fn block_table(&self, id: SeqId, group: usize) -> Result<Vec<u32>> {
         Ok(self
             .seq(id)?
-            .blocks
+            .tables
+            .get(group)
+            .ok_or_else(|| no_group(group))?
             .iter()
             .map(|b| b.unwrap_or(0))
             .collect())
@@ -514,82 +524,31 @@ impl PagedKvCache {
         }
     }
 
-    /// One layer's storage in the main pool (`main`) or the staging pool.
+    /// One layer's storage in its group's main pool (`main`) or staging pool.
     pub fn layer_storage(&self, layer: usize, main: bool) -> &LayerKv {
         let pool = if main { Pool::Main } else { Pool::Staging };
-        &self.pool(pool).layers[layer]
+        let (g, at) = self.layer_at[layer];
+        &self.groups[g].pool(pool).layers[at]
     }
 
-    /// Bytes held by the blocks sequences own now, both pools (partial tails included).
-    pub fn bytes_in_use(&self) -> usize {
-        let main = (self.main.total - self.main.free.len()) * self.cfg.bytes_per_block();
-        let staging = self.staging.as_ref().map_or(0, |p| {
-            (p.total - p.free.len()) * self.cfg.block_size * self.cfg.staging_bytes_per_token()
-        });
-        main + staging
-    }
-
-    /// The most bytes held at once since the cache was made.
-    pub fn peak_bytes(&self) -> usize {
-        self.peak_bytes
-    }
-
-    /// Bytes of the tokens held in the main pool, without partial-block tails or windowed-out
-    /// positions (the format's formula).
-    pub fn token_bytes(&self) -> usize {
-        let bs = self.cfg.block_size;
-        self.seqs
-            .values()
-            .filter(|s| s.pool == Pool::Main)
-            .map(|s| {
-                let first_kept = s
-                    .blocks
-                    .iter()
-                    .position(Option::is_some)
-                    .unwrap_or(s.blocks.len());
-                s.len.saturating_sub(first_kept * bs)
-            })
-            .sum::<usize>()
-            * self.cfg.bytes_per_token()
-    }
-
-    /// Bytes allocated for the pools (the budget, whether used or not).
-    pub fn capacity_bytes(&self) -> usize {
-        self.cfg.num_blocks * self.cfg.bytes_per_block()
-            + self.cfg.staging.as_ref().map_or(0, |s| {
-                s.num_blocks * self.cfg.block_size * self.cfg.staging_bytes_per_token()
-            })
-    }
-
-    fn note_peak(&mut self) {
-        self.peak_bytes = self.peak_bytes.max(self.bytes_in_use());
+    fn layer_place(&self, layer: usize) -> Result<(usize, usize)> {
+        self.layer_at.get(layer).copied().ok_or_else(|| {
+            CacheError::Candle(candle_core::Error::Msg(format!(
+                "layer {layer} is not in a {}-layer cache",
+                self.cfg.num_layers
+            )))
+        })
     }
 
     fn seq(&self, id: SeqId) -> Result<&SeqState> {
         self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))
     }
-
-    fn pool(&self, p: Pool) -> &BlockPool {
-        match p {
-            Pool::Main => &self.main,
-            Pool::Staging => self.staging.as_ref().expect("staging pool exists"),
-        }
-    }
-
-    fn pool_mut(&mut self, p: Pool) -> &mut BlockPool {
-        match p {
-            Pool::Main => &mut self.main,
-            Pool::Staging => self.staging.as_mut().expect("staging pool exists"),
-        }
-    }
 }
 
-/// The dtype a layer's rows are read back in (dense: its values; affine: its scales).
-fn staging_dtype(l: &LayerKv) -> DType {
-    match l {
-        LayerKv::Dense { k, .. } => k.dtype(),
-        LayerKv::Affine { k, .. } => k.scales.dtype(),
-    }
+fn no_group(group: usize) -> CacheError {
+    CacheError::Candle(candle_core::Error::Msg(format!(
+        "no layer group {group} in the KV cache"
+    )))
 }
 
 #[cfg(test)]

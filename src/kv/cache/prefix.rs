@@ -119,12 +119,45 @@ impl PrefixIndex {
         found
     }
 
-    /// Records that `blocks` (a sequence's table, in order) hold the K/V of `tokens` from
-    /// position 0; every full block is registered unless an equal prefix already is.
-    pub fn register(&mut self, blocks: &[u32], tokens: &[u32]) {
+    /// The cached block of each of the first `max_blocks` full blocks of `tokens` (`None`
+    /// where none is cached), found by the chain of every block before it (a windowed group
+    /// caches only the blocks its window held). Not yet held: see [`Self::use_found`].
+    pub fn present(&self, tokens: &[u32], max_blocks: usize) -> Vec<Option<u32>> {
+        let mut parent = ROOT;
+        tokens
+            .chunks_exact(self.block_size)
+            .take(max_blocks)
+            .map(|chunk| {
+                let k = chain(parent, chunk);
+                let found = match self.entries.get(&k) {
+                    Some(e) if e.parent == parent && e.tokens == chunk => Some(e.block),
+                    _ => None,
+                };
+                parent = k;
+                found
+            })
+            .collect()
+    }
+
+    /// Marks blocks found by [`Self::present`] as used now (the deepest the oldest, so a chain
+    /// is evicted from its end).
+    pub fn use_found(&mut self, blocks: &[u32]) {
+        for &b in blocks.iter().rev() {
+            self.touch(b);
+        }
+    }
+
+    /// Records that `blocks` (a sequence's table, in order; `None` where its window let go)
+    /// hold the K/V of `tokens` from position 0; every full block held is registered unless an
+    /// equal prefix already is.
+    pub fn register(&mut self, blocks: &[Option<u32>], tokens: &[u32]) {
         let mut parent = ROOT;
         for (chunk, &b) in tokens.chunks_exact(self.block_size).zip(blocks) {
             let k = chain(parent, chunk);
+            let Some(b) = b else {
+                parent = k;
+                continue;
+            };
             match self.entries.get(&k) {
                 // This block or an equal copy is already known: keep the first.
                 Some(e) if e.parent == parent && e.tokens == chunk => {}
@@ -169,7 +202,7 @@ mod tests {
         for b in [0, 1, 2] {
             p.hold(b);
         }
-        p.register(&[0, 1, 2], &[1, 2, 3, 4, 5]);
+        p.register(&[Some(0), Some(1), Some(2)], &[1, 2, 3, 4, 5]);
         assert_eq!(p.lookup(&[1, 2, 3, 4, 9, 9], 8), vec![0, 1]);
         assert_eq!(p.lookup(&[1, 2, 7, 4], 8), vec![0]); // diverges in the second block
         assert_eq!(p.lookup(&[3, 4], 8), Vec::<u32>::new()); // same tokens, other history
@@ -203,9 +236,9 @@ mod tests {
         for b in 0..4 {
             p.hold(b);
         }
-        p.register(&[0], &[1, 2]);
-        p.register(&[1], &[1, 2]); // an equal copy: stays unregistered
-        p.register(&[2], &[5, 6]);
+        p.register(&[Some(0)], &[1, 2]);
+        p.register(&[Some(1)], &[1, 2]); // an equal copy: stays unregistered
+        p.register(&[Some(2)], &[5, 6]);
         assert!(!p.release(0));
         assert!(p.release(1));
         assert!(!p.release(2));
@@ -214,5 +247,22 @@ mod tests {
         assert_eq!(p.evict(), Some(2));
         assert_eq!(p.evict(), Some(0));
         assert!(p.release(3));
+    }
+
+    #[test]
+    fn a_windowed_table_registers_the_blocks_it_still_holds() {
+        let mut p = PrefixIndex::new(8, 2);
+        for b in [3, 4] {
+            p.hold(b);
+        }
+        // Blocks 0 and 1 of the sequence left its window; 2 and 3 are held as ids 3 and 4.
+        p.register(&[None, None, Some(3), Some(4)], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        let found = p.present(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 8);
+        assert_eq!(found, vec![None, None, Some(3), Some(4)]);
+        // Another history before them: nothing matches.
+        assert_eq!(p.present(&[0, 2, 3, 4, 5, 6], 8), vec![None; 3]);
+        p.use_found(&[3, 4]);
+        assert!(!p.release(3) && !p.release(4));
+        assert_eq!(p.evictable(), 2);
     }
 }

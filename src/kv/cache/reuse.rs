@@ -6,87 +6,130 @@ use super::prefix::PrefixIndex;
 use super::*;
 
 impl PagedKvCache {
-    /// Main-pool blocks nobody holds that still cache a prompt prefix.
+    /// Main-pool blocks nobody holds that still cache a prompt prefix, over all groups.
     pub fn prefix_cached_blocks(&self) -> usize {
-        self.prefix.as_ref().map_or(0, PrefixIndex::evictable)
+        self.group_prefix_cached().iter().sum()
+    }
+
+    /// [`Self::prefix_cached_blocks`] of each group.
+    pub fn group_prefix_cached(&self) -> Vec<usize> {
+        self.groups
+            .iter()
+            .map(|g| g.prefix.as_ref().map_or(0, PrefixIndex::evictable))
+            .collect()
     }
 
     /// Turns on automatic prefix reuse: full blocks of prompts registered with
     /// [`Self::register_prefix`] stay in the pool, shared by reference count, after their
-    /// sequences end, until the pool needs them (least recently used first). Not available
-    /// when a window drops blocks or with a staging pool, whose blocks do not keep a prompt's
-    /// rows.
+    /// sequences end, until the pool needs them (least recently used first). A windowed group
+    /// caches the blocks its window still held when the prompt was registered, and a prefix is
+    /// reused only where every group holds what the next token can see. Not available with a
+    /// staging pool, whose blocks do not keep a prompt's rows.
     pub fn enable_prefix_cache(&mut self) -> Result<()> {
-        if self.cfg.kept_window().is_some() || self.cfg.staging.is_some() {
+        if self.cfg.staging.is_some() {
             return Err(CacheError::Rows(
                 "prefix reuse needs whole histories in the main pool: it cannot be combined \
-                 with a sliding window (--max-kv-size) or --quantized-kv-start"
+                 with --quantized-kv-start"
                     .into(),
             ));
         }
-        if self.prefix.is_none() {
-            let mut p = PrefixIndex::new(self.cfg.num_blocks, self.cfg.block_size);
-            for s in self.seqs.values() {
-                for &b in s.blocks.iter().flatten() {
-                    p.hold(b);
+        for (g, gp) in self.groups.iter_mut().enumerate() {
+            if gp.prefix.is_none() {
+                let mut p = PrefixIndex::new(gp.main.total, self.cfg.block_size);
+                for s in self.seqs.values() {
+                    for &b in s.tables[g].iter().flatten() {
+                        p.hold(b);
+                    }
                 }
+                gp.prefix = Some(p);
             }
-            self.prefix = Some(p);
         }
         Ok(())
     }
 
     /// Starts the new, empty sequence `id` on the cached blocks holding the longest prefix of
-    /// `tokens` of at most `max_tokens` tokens (whole blocks); returns the tokens it now holds
-    /// (0 without prefix reuse or a match).
+    /// `tokens` of at most `max_tokens` tokens (whole blocks) that every group can serve: the
+    /// global groups from position 0, a windowed group the blocks its window would still hold
+    /// after that prefix. Returns the tokens it now holds (0 without prefix reuse or a match).
     pub fn attach_prefix(&mut self, id: SeqId, tokens: &[u32], max_tokens: usize) -> Result<usize> {
         let bs = self.cfg.block_size;
-        let Some(p) = self.prefix.as_mut() else {
+        if self.groups.iter().any(|g| g.prefix.is_none()) {
             return Ok(0);
-        };
+        }
         let s = self.seqs.get_mut(&id).ok_or(CacheError::UnknownSeq(id))?;
         if s.len > 0 || s.pool != Pool::Main {
             return Err(CacheError::Rows(format!(
                 "sequence {id}: a cached prefix can only start an empty sequence"
             )));
         }
-        let found = p.lookup(tokens, max_tokens / bs);
-        for &b in &found {
-            p.hold(b);
+        let most = max_tokens / bs;
+        let present: Vec<Vec<Option<u32>>> = self
+            .groups
+            .iter()
+            .filter_map(|g| g.prefix.as_ref())
+            .map(|p| p.present(tokens, most))
+            .collect();
+        // First block of a prefix of `m` blocks that group `g` must hold (as `advance` keeps).
+        let from =
+            |g: &GroupPools, m: usize| g.window.map_or(0, |w| (m * bs + 1).saturating_sub(w) / bs);
+        let held = |g: usize, m: usize| {
+            let f = from(&self.groups[g], m);
+            present[g]
+                .get(f..m)
+                .is_some_and(|b| b.iter().all(Option::is_some))
+        };
+        let mut m = present.iter().map(Vec::len).min().unwrap_or(0);
+        while m > 0 && !(0..self.groups.len()).all(|g| held(g, m)) {
+            m -= 1;
         }
-        s.len = found.len() * bs;
-        s.blocks = found.into_iter().map(Some).collect();
+        let mut tables = Vec::with_capacity(self.groups.len());
+        for (g, found) in self.groups.iter_mut().zip(present) {
+            let f = from(g, m);
+            let blocks: Vec<u32> = found.iter().take(m).skip(f).flatten().copied().collect();
+            let p = g.prefix.as_mut().expect("every group has an index");
+            for &b in &blocks {
+                p.hold(b);
+            }
+            p.use_found(&blocks);
+            let mut table = vec![None; f];
+            table.extend(blocks.into_iter().map(Some));
+            tables.push(table);
+        }
+        s.tables = tables;
+        s.len = m * bs;
         Ok(s.len)
     }
 
     /// Offers the full blocks of `id` holding `tokens` (its first positions, all written) to
-    /// the prefix cache; nothing without prefix reuse.
+    /// the prefix cache (in a windowed group, those its window still holds); nothing without
+    /// prefix reuse.
     pub fn register_prefix(&mut self, id: SeqId, tokens: &[u32]) -> Result<()> {
-        let Some(p) = self.prefix.as_mut() else {
-            return Ok(());
-        };
         let s = self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))?;
         let n = tokens.len().min(s.len);
-        let blocks: Vec<u32> = s.blocks.iter().map_while(|b| *b).collect();
-        p.register(&blocks, &tokens[..n]);
+        for (g, table) in self.groups.iter_mut().zip(&s.tables) {
+            if let Some(p) = g.prefix.as_mut() {
+                p.register(table, &tokens[..n]);
+            }
+        }
         Ok(())
     }
 
-    /// Takes `n` main-pool blocks for a sequence: free ones first, then parked prefix blocks,
-    /// least recently used first (all-or-nothing).
-    pub(super) fn take_main(&mut self, n: usize) -> Result<Vec<u32>> {
-        if let Some(p) = self.prefix.as_mut() {
-            if n <= self.main.free.len() + p.evictable() {
-                while self.main.free.len() < n {
+    /// Takes `n` main-pool blocks of group `g` for a sequence: free ones first, then parked
+    /// prefix blocks, least recently used first (all-or-nothing).
+    pub(super) fn take_main(&mut self, g: usize, n: usize) -> Result<Vec<u32>> {
+        let gp = &mut self.groups[g];
+        if let Some(p) = gp.prefix.as_mut() {
+            if n <= gp.main.free.len() + p.evictable() {
+                while gp.main.free.len() < n {
                     match p.evict() {
-                        Some(b) => self.main.free.push(b),
+                        Some(b) => gp.main.free.push(b),
                         None => break,
                     }
                 }
             }
         }
-        let new = self.main.take(n)?;
-        if let Some(p) = self.prefix.as_mut() {
+        let new = gp.main.take(n, gp.window)?;
+        if let Some(p) = gp.prefix.as_mut() {
             for &b in &new {
                 p.hold(b);
             }
@@ -94,8 +137,12 @@ impl PagedKvCache {
         Ok(new)
     }
 
-    /// Free and total blocks of the dense staging pool (`--quantized-kv-start`), if any.
-    pub fn staging_blocks(&self) -> Option<(usize, usize)> {
-        self.staging.as_ref().map(|p| (p.free.len(), p.total))
+    /// Free and total blocks of each group's dense staging pool (`--quantized-kv-start`);
+    /// empty without staging.
+    pub fn group_staging_blocks(&self) -> Vec<(usize, usize)> {
+        self.groups
+            .iter()
+            .filter_map(|g| g.staging.as_ref().map(|p| (p.free.len(), p.total)))
+            .collect()
     }
 }

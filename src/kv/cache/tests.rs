@@ -30,7 +30,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 fn gather_all(c: &PagedKvCache, id: SeqId, from: usize, to: usize) -> (Tensor, Tensor) {
-    let slots = c.slots(id, from, to).unwrap();
+    let slots = c.slots(id, 0, from, to).unwrap();
     let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
     c.gather(0, id, &slots, DType::F32).unwrap()
 }
@@ -73,7 +73,7 @@ fn reserve_is_all_or_nothing_and_remove_frees() {
     let mut c = PagedKvCache::new(cfg(3), &Device::Cpu).unwrap();
     c.add_sequence(7).unwrap();
     c.reserve(7, 8).unwrap(); // 2 blocks
-    assert_eq!(c.free_blocks(), 1);
+    assert_eq!(c.free_blocks().total(), 1);
     c.add_sequence(8).unwrap();
     let err = c.reserve(8, 5).unwrap_err(); // needs 2, 1 free
     assert!(matches!(
@@ -81,12 +81,13 @@ fn reserve_is_all_or_nothing_and_remove_frees() {
         CacheError::OutOfBlocks {
             needed: 2,
             free: 1,
-            total: 3
+            total: 3,
+            window: None
         }
     ));
-    assert_eq!(c.free_blocks(), 1);
+    assert_eq!(c.free_blocks().total(), 1);
     c.remove_sequence(7);
-    assert_eq!(c.free_blocks(), 3);
+    assert_eq!(c.free_blocks().total(), 3);
     c.reserve(8, 5).unwrap();
     assert_eq!(c.bytes_in_use(), 2 * c.config().bytes_per_block());
     assert_eq!(c.peak_bytes(), 2 * c.config().bytes_per_block());
@@ -110,7 +111,7 @@ fn sliding_window_frees_blocks_and_keeps_bytes_flat() {
     let max_after = held[10..].iter().max().unwrap();
     assert!(*max_after <= 3 * c.config().bytes_per_block(), "{held:?}");
     // The window's positions are still readable and hold what was written.
-    let (k, _) = gather_all(&c, 0, c.first_visible(40), 40);
+    let (k, _) = gather_all(&c, 0, c.first_visible(0, 40), 40);
     let want = Tensor::cat(&(35..40).map(|p| rows(1, p as f32)).collect::<Vec<_>>(), 0).unwrap();
     assert_eq!(max_diff(&k, &want), 0.0);
 }
@@ -159,7 +160,7 @@ fn staging_promotes_to_quantized_with_the_same_codes_as_direct_writes() {
             .unwrap()
         ) > 0.0
     );
-    assert_eq!(b.staging.as_ref().unwrap().free.len(), 4);
+    assert_eq!(b.group_staging_blocks(), vec![(4, 4)]);
 }
 
 fn affine(bits: u32) -> KvFormat {
@@ -325,7 +326,7 @@ fn import_refuses_other_formats_and_respects_staging_and_window() {
         "{e}"
     );
     assert_eq!(b.seq_len(0).unwrap(), 0);
-    assert_eq!(b.free_blocks(), 16);
+    assert_eq!(b.free_blocks().total(), 16);
 
     // Below --quantized-kv-start a sequence is dense: quantized rows do not fit, dense do.
     let mut staged = q4.clone();
@@ -369,9 +370,92 @@ fn import_refuses_other_formats_and_respects_staging_and_window() {
     win.add_sequence(0).unwrap();
     win.import_rows(0, &long.export_rows(0).unwrap(), 4)
         .unwrap();
-    assert!(win.owned_blocks(0).unwrap() <= win.config().max_blocks_for(40, 4));
-    let (k, _) = gather_all(&win, 0, win.first_visible(40), 40);
+    assert!(win
+        .owned_blocks(0)
+        .unwrap()
+        .fits_in(&win.config().max_blocks_for(40, 4)));
+    let (k, _) = gather_all(&win, 0, win.first_visible(0, 40), 40);
     assert_eq!(max_diff(&k, &rows(40, 0.1).narrow(0, 35, 5).unwrap()), 0.0);
     let e = win.export_rows(0).unwrap_err().to_string();
     assert!(e.contains("--max-kv-size"), "{e}");
+}
+
+#[test]
+fn windowed_groups_hold_their_window_and_reuse_only_held_prefix_blocks() {
+    // Layer 0 slides over 8 positions, layer 1 is global; blocks of 4.
+    let mut config = cfg(16);
+    config.layer_windows = vec![Some(8), None];
+    let mut c = PagedKvCache::new(config, &Device::Cpu).unwrap();
+    assert_eq!(c.groups().len(), 2);
+    assert_eq!((c.group_of(0), c.group_of(1)), (1, 0));
+    c.enable_prefix_cache().unwrap();
+    c.add_sequence(0).unwrap();
+    fill(&mut c, 0, 20, 3, 0.5);
+    // The global group holds all 5 blocks; the window keeps positions 13.. (blocks 3 and 4).
+    assert_eq!(c.owned_blocks(0).unwrap(), Blocks(vec![5, 2]));
+    let bb = c.config().group_block_bytes();
+    assert_eq!(c.group_bytes_in_use(), vec![5 * bb[0], 2 * bb[1]]);
+    assert_eq!(c.free_blocks(), Blocks(vec![11, 14]));
+    let tokens: Vec<u32> = (0..30).collect();
+    c.register_prefix(0, &tokens[..20]).unwrap();
+    let (k0, v0) = {
+        let slots = c.slots(0, 1, 13, 20).unwrap();
+        let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
+        c.gather(0, 0, &slots, DType::F32).unwrap()
+    };
+    c.remove_sequence(0);
+    // A prompt of the first 18 tokens would need blocks 2..4 of the window: not held.
+    c.add_sequence(1).unwrap();
+    assert_eq!(c.attach_prefix(1, &tokens[..20], 18).unwrap(), 0);
+    c.remove_sequence(1);
+    // A longer prompt reuses all 20: the window's blocks 3 and 4 are what it can see.
+    c.add_sequence(2).unwrap();
+    assert_eq!(c.attach_prefix(2, &tokens, 28).unwrap(), 20);
+    assert_eq!(c.owned_blocks(2).unwrap(), Blocks(vec![5, 2]));
+    let slots = c.slots(2, 1, 13, 20).unwrap();
+    let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
+    let (k2, v2) = c.gather(0, 2, &slots, DType::F32).unwrap();
+    assert_eq!((max_diff(&k0, &k2), max_diff(&v0, &v2)), (0.0, 0.0));
+    assert!(
+        c.slots(2, 1, 0, 12).is_err(),
+        "left the window before it was cached"
+    );
+    // Decoding on frees what leaves the window: parked as cached, not lost.
+    c.reserve(2, 4).unwrap();
+    for l in 0..2 {
+        c.write(l, 2, 20, &rows(4, 9.0), &rows(4, 8.0)).unwrap();
+    }
+    c.advance(2, 4).unwrap();
+    assert_eq!(c.owned_blocks(2).unwrap(), Blocks(vec![6, 2]));
+    assert_eq!(c.group_prefix_cached(), vec![0, 1]);
+}
+
+#[test]
+fn a_kept_history_stays_whole_until_the_step_after_its_prompt() {
+    let mut config = cfg(16);
+    config.window = Some(6);
+    let mut c = PagedKvCache::new(config, &Device::Cpu).unwrap();
+    c.add_sequence(0).unwrap();
+    c.keep_history(0, 12).unwrap();
+    fill(&mut c, 0, 12, 5, 1.0);
+    // Every block of the prompt is held and exports whole.
+    assert_eq!(c.owned_blocks(0).unwrap(), Blocks(vec![3]));
+    assert_eq!(c.export_rows(0).unwrap()[0].len().unwrap(), 12);
+    assert!(c
+        .owned_blocks(0)
+        .unwrap()
+        .fits_in(&c.config().max_blocks_keeping(40, 5, 12)));
+    // The next token lets the window take over.
+    fill_more(&mut c, 0, 12, 1);
+    assert_eq!(c.owned_blocks(0).unwrap(), Blocks(vec![2]));
+    assert!(c.export_rows(0).is_err());
+}
+
+/// Writes `n` more tokens of `id` from position `at` in both layers.
+fn fill_more(c: &mut PagedKvCache, id: SeqId, at: usize, n: usize) {
+    c.reserve(id, n).unwrap();
+    for l in 0..2 {
+        c.write(l, id, at, &rows(n, 3.0), &rows(n, 4.0)).unwrap();
+    }
+    c.advance(id, n).unwrap();
 }

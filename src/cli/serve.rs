@@ -1,12 +1,22 @@
 //! `kvq serve`: flags → [`crate::server::ServeOptions`] and a loader for the engine thread.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Result};
 use clap::Args;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use super::kv_budget::PoolBudget;
 use crate::engine::batch_io::parse_bytes;
 use crate::engine::scheduler::EngineConfig;
-use crate::kv::cache::{PagedKvCache, PoolSizing};
+use crate::kv::cache::{CacheConfig, PagedKvCache, PoolSizing};
 use crate::model::load::load;
 use crate::server::api::Defaults;
 use crate::server::{serve, ServeOptions};
@@ -114,16 +124,20 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             };
             let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0))?;
             let window = model.config().max_position_embeddings;
-            let blocks = budget_blocks(&a, window, probe.block_size, probe.bytes_per_block());
+            let blocks = budget(&a, window, &probe)?;
             let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(blocks))?;
             super::args::check_cache_memory(&cfg, &device)?;
+            let staging = match super::args::staging_bytes(&cfg)? {
+                0 => String::new(),
+                b => format!(" + {} MiB of dense staging", b >> 20),
+            };
             let cache = PagedKvCache::new(cfg, &device)?;
             eprintln!(
-                "kvq serve: {} | KV cache {} blocks of {} tokens ({} MiB)",
+                "kvq serve: {} | KV cache {} blocks of {} tokens ({} MiB{staging})",
                 loaded.description,
                 blocks,
                 probe.block_size,
-                (blocks * probe.bytes_per_block()) >> 20
+                blocks.saturating_mul(probe.bytes_per_block()) >> 20
             );
             Ok((loaded, cache))
         }),
@@ -140,17 +154,23 @@ fn model_name(m: &ModelArgs) -> String {
     }
 }
 
-/// KV blocks to allocate: --kv-memory, or room for --max-batch requests of the whole window
-/// (one partial block each), capped at a quarter of the available memory but never below one
-/// such request.
-fn budget_blocks(a: &ServeArgs, window: usize, block_size: usize, block_bytes: usize) -> usize {
-    if let Some(bytes) = a.kv_memory {
-        return (bytes / block_bytes.max(1)).max(1);
+/// KV blocks to allocate, checked as batch-generate checks them ([`PoolBudget`]): --kv-memory
+/// less the dense staging pool, which must hold at least one request of --max-tokens tokens
+/// (longer ones are refused one by one when they come); by default room for --max-batch
+/// requests of the whole window (one partial block each), capped at a quarter of the available
+/// memory but never below one such request.
+fn budget(a: &ServeArgs, window: usize, probe: &CacheConfig) -> Result<usize> {
+    let tokens = a.sampling.max_tokens.min(window);
+    let whole = window.div_ceil(probe.block_size.max(1)).saturating_add(1);
+    let what = format!("one request of --max-tokens {}", a.sampling.max_tokens);
+    PoolBudget {
+        kv_memory: a.kv_memory,
+        one_blocks: probe.max_blocks_for(tokens, a.prefill_chunk),
+        one_tokens: tokens,
+        one_what: &what,
+        want: whole.saturating_mul(a.max_batch),
+        floor: whole,
+        share: 4,
     }
-    let one = window.div_ceil(block_size) + 1;
-    let want = one * a.max_batch;
-    match crate::device::available_memory() {
-        Some(avail) => want.min(avail as usize / 4 / block_bytes.max(1)).max(one),
-        None => want,
-    }
+    .blocks(probe)
 }

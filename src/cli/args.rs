@@ -1,6 +1,15 @@
 //! Flag groups shared by every subcommand: one definition each, flattened into the
 //! subcommands that need them, so `--device` means the same thing everywhere.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};

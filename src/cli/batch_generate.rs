@@ -1,11 +1,21 @@
 //! `kvq batch-generate`: many prompts from a file through the continuous-batching engine, one
 //! JSON line per request as it finishes, resumable, stoppable with Ctrl-C.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use indicatif::ProgressBar;
 use serde_json::{json, Value};
+use std::collections::HashSet;
 use std::io::Read;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,14 +23,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
-use super::output_file::open_batch_output;
+use super::kv_budget::{group_bytes, PoolBudget};
+use super::output_file::{check_not_read, model_files, model_inputs, open_batch_output};
 use super::prompt_cache::CacheFiles;
 use crate::engine::batch::{Batch, BatchOutcome, BatchRequest};
 use crate::engine::batch_io::{
-    decode_input, id_key, line_key, parse_bytes, parse_input, InputFormat, InputRecord,
-    InvalidLine, PromptSpec, Sink,
+    decode_input, id_key, line_hashes, line_key, parse_bytes, parse_input, InputFormat,
+    InputRecord, InvalidLine, PromptSpec, Sink,
 };
-use crate::engine::request::Request;
+use crate::engine::request::{CachedPrefix, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes};
 use crate::kv::cache::{PagedKvCache, PoolSizing};
@@ -100,48 +111,29 @@ pub struct BatchGenerateArgs {
 
 pub fn run(args: &BatchGenerateArgs) -> Result<()> {
     check_flags(args)?;
-    let (input_name, input_bytes) = read_input(&args.input)?;
-    let (input_text, mut invalid) = decode_input(&input_bytes);
-    let parsed = parse_input(&input_text, args.input_format);
-    let mut records: Vec<InputRecord> = Vec::new();
-    for p in parsed {
-        match p {
-            Ok(r) => records.push(r),
-            Err(e) => invalid.push(e),
-        }
-    }
-    // A broken line's record never carries the id of a valid line (one id, one request).
-    let valid_ids: std::collections::HashSet<String> =
-        records.iter().map(|r| id_key(&r.id)).collect();
-    for e in &mut invalid {
-        if e.id
-            .as_ref()
-            .is_some_and(|id| valid_ids.contains(&id_key(id)))
-        {
-            e.id = None;
-        }
-    }
+    let input = read_records(args)?;
+    let (input_name, hashes) = (input.name, input.hashes);
+    let (mut records, mut invalid) = (input.records, input.invalid);
     refuse_invalid(args, &input_name, &invalid)?;
 
-    let (mut sink, resume) = match &args.output {
+    let mut output = match &args.output {
         Some(path) => {
-            let mut out = open_batch_output(path, args.resume, args.force)?;
-            let done = out.done.take();
-            (Sink::new(Box::new(out)), done)
+            check_not_read("--output", path, &inputs_before_load(args))?;
+            Some(open_batch_output(path, args.resume, args.force)?)
         }
-        None => (Sink::new(Box::new(std::io::stdout())), None),
+        None => None,
     };
     let total_input = records.len() + invalid.len();
-    let mut skipped = 0;
-    if let Some(done) = &resume {
-        let before = records.len() + invalid.len();
-        records.retain(|r| !done.contains(&id_key(&r.id)) && !done.contains(&line_key(r.line)));
-        invalid.retain(|e| !done.contains(&line_key(e.line)));
-        skipped = before - records.len() - invalid.len();
-    }
+    let skipped = match output.as_mut().and_then(|o| o.done.take()) {
+        Some(done) => skip_done(&done, &hashes, &mut records, &mut invalid),
+        None => 0,
+    };
 
     let device = args.device.open()?;
     let loaded = load(&args.model.options(), &device)?;
+    if let Some(path) = &args.output {
+        check_not_read("--output", path, &model_files(&loaded))?;
+    }
     let model = &loaded.model;
     let kv = args.kv.options();
     let sizing = |bytes, tokens| PoolSizing::Budget {
@@ -151,33 +143,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         chunk: args.prefill_chunk,
     };
     let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0, 1))?;
-    // The weights are fingerprinted only when some request names a prompt cache.
-    let identity = if records.iter().any(|r| r.prompt_cache.is_some()) {
-        Some(loaded.identity()?)
-    } else {
-        None
-    };
-    let mut cache_files = CacheFiles::default();
-    let mut requests = Vec::new();
-    for r in records {
-        let built = build_request(args, &loaded, &r).and_then(|b| {
-            let prefix = match (&r.prompt_cache, &identity) {
-                (Some(path), Some(id)) => {
-                    Some(cache_files.prefix_for(path, &b.request.prompt, id, &probe)?)
-                }
-                _ => None,
-            };
-            Ok((b, prefix))
-        });
-        match built {
-            Ok((b, prefix)) => requests.push((r.line, b, prefix)),
-            Err(e) => invalid.push(InvalidLine {
-                line: r.line,
-                id: Some(r.id.clone()),
-                error: crate::cli::one_line(&e),
-            }),
-        }
-    }
+    let requests = build_requests(args, &loaded, records, &probe, &mut invalid)?;
     refuse_invalid(args, &input_name, &invalid)?;
 
     let window = model.config().max_position_embeddings;
@@ -213,9 +179,19 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         }
     }
     refuse_invalid(args, &input_name, &invalid)?;
+    // The run is under way: only now may --force empty the old output.
+    let mut sink = match (output, &args.output) {
+        (Some(mut out), Some(path)) => {
+            out.start(path)?;
+            Sink::new(Box::new(out))
+        }
+        _ => Sink::new(Box::new(std::io::stdout())),
+    };
     invalid.sort_by_key(|e| e.line);
     for e in &invalid {
-        sink.write(&error_record(e)).context("writing the output")?;
+        let hash = hashes.get(e.line.wrapping_sub(1)).map(String::as_str);
+        sink.write(&error_record(e, hash))
+            .context("writing the output")?;
     }
 
     let cancel = Arc::new(AtomicBool::new(false));
@@ -310,15 +286,84 @@ fn refuse_invalid(args: &BatchGenerateArgs, name: &str, invalid: &[InvalidLine])
     Ok(())
 }
 
-/// An error record: the line's own id if it has one no valid line has (else null), and its
-/// line number, which is what `--resume` keys it by.
-fn error_record(e: &InvalidLine) -> Value {
+/// An error record: the line's own id if it has one no valid line has (else null), its line
+/// number and the digest of its text, which is what `--resume` keys it by.
+fn error_record(e: &InvalidLine, hash: Option<&str>) -> Value {
     json!({
         "id": e.id.clone().unwrap_or(Value::Null),
         "line": e.line,
+        "line_hash": hash,
         "finish_reason": "error",
         "error": e.error,
     })
+}
+
+/// The input, read and parsed: every line's digest, its valid requests and its broken lines.
+struct Input {
+    name: String,
+    hashes: Vec<String>,
+    records: Vec<InputRecord>,
+    invalid: Vec<InvalidLine>,
+}
+
+fn read_records(args: &BatchGenerateArgs) -> Result<Input> {
+    let (name, bytes) = read_input(&args.input)?;
+    let hashes = line_hashes(&bytes);
+    let (text, mut invalid) = decode_input(&bytes);
+    let mut records: Vec<InputRecord> = Vec::new();
+    for p in parse_input(&text, args.input_format) {
+        match p {
+            Ok(r) => records.push(r),
+            Err(e) => invalid.push(e),
+        }
+    }
+    // A broken line's record never carries the id of a valid line (one id, one request).
+    let valid_ids: HashSet<String> = records.iter().map(|r| id_key(&r.id)).collect();
+    for e in &mut invalid {
+        if e.id
+            .as_ref()
+            .is_some_and(|id| valid_ids.contains(&id_key(id)))
+        {
+            e.id = None;
+        }
+    }
+    Ok(Input {
+        name,
+        hashes,
+        records,
+        invalid,
+    })
+}
+
+/// Files this run reads that are known before the model loads: the input, and what --model
+/// and --tokenizer name (the rest is checked once the model has loaded).
+fn inputs_before_load(args: &BatchGenerateArgs) -> Vec<(&'static str, PathBuf)> {
+    let mut read = model_inputs(&args.model);
+    if args.input != "-" {
+        read.push(("the input file", PathBuf::from(&args.input)));
+    }
+    read
+}
+
+/// With --resume: drops the requests the output already answers (by id) and the lines whose
+/// error record is for the line as it is now (by number and digest; a line fixed since runs).
+/// Returns how many were dropped.
+fn skip_done(
+    done: &HashSet<String>,
+    hashes: &[String],
+    records: &mut Vec<InputRecord>,
+    invalid: &mut Vec<InvalidLine>,
+) -> usize {
+    let hash = |line: usize| hashes.get(line.wrapping_sub(1)).map(String::as_str);
+    let before = records.len() + invalid.len();
+    records.retain(|r| {
+        !done.contains(&id_key(&r.id)) && !done.contains(&line_key(r.line, hash(r.line)))
+    });
+    // A line still broken as it was is not reported again.
+    invalid.retain(|e| {
+        !done.contains(&line_key(e.line, hash(e.line))) && !done.contains(&line_key(e.line, None))
+    });
+    before - records.len() - invalid.len()
 }
 
 /// Bytes of main-pool blocks to allocate: the --kv-memory budget (less the dense staging pool
@@ -331,49 +376,59 @@ fn budget_bytes(
     probe: &crate::kv::cache::CacheConfig,
     longest: usize,
 ) -> Result<usize> {
-    let staging = super::args::staging_bytes(probe)?;
     let one_blocks = probe.max_blocks_for(longest, args.prefill_chunk);
-    // One longest request's blocks in every group, at each group's block size.
-    let one = one_blocks
-        .0
-        .iter()
-        .zip(probe.group_block_bytes())
-        .map(|(&n, b)| n.max(1).saturating_mul(b))
-        .fold(0, usize::saturating_add)
-        .max(1);
-    let available = crate::device::available_memory_bytes();
-    if let Some(bytes) = args.kv_memory {
-        if bytes > available {
-            bail!(
-                "--kv-memory {} is more than the {} of memory available now",
-                fmt_bytes(bytes),
-                fmt_bytes(available)
-            );
-        }
-        let need = one.saturating_add(staging);
-        if bytes < need {
-            let staged = match staging {
-                0 => String::new(),
-                s => format!(
-                    " plus {} of dense staging for --quantized-kv-start",
-                    fmt_bytes(s)
-                ),
-            };
-            bail!(
-                "--kv-memory {} cannot hold the longest request ({longest} tokens: {} blocks of \
-                 {} tokens, {}{staged}); allowed: at least {need} bytes",
-                fmt_bytes(bytes),
-                one_blocks.total(),
-                probe.block_size,
-                fmt_bytes(one),
-            );
-        }
-        return Ok(bytes - staging);
+    let one = group_bytes(probe, &one_blocks);
+    PoolBudget {
+        kv_memory: args.kv_memory,
+        one_blocks,
+        one_tokens: longest,
+        one_what: "the longest request",
+        want: one
+            .saturating_add(probe.bytes_per_block())
+            .saturating_mul(args.max_batch),
+        floor: one,
+        share: 2,
     }
-    let per_seq = one.saturating_add(probe.bytes_per_block());
-    let want = per_seq.saturating_mul(args.max_batch);
-    let cap = (available / 2).saturating_sub(staging);
-    Ok(want.min(cap).max(one))
+    .bytes(probe)
+}
+
+/// Tokenizes every request and opens the prompt caches they name; a request that cannot run
+/// goes to `invalid` with its line.
+fn build_requests(
+    args: &BatchGenerateArgs,
+    loaded: &LoadedModel,
+    records: Vec<InputRecord>,
+    probe: &crate::kv::cache::CacheConfig,
+    invalid: &mut Vec<InvalidLine>,
+) -> Result<Vec<(usize, BatchRequest, Option<CachedPrefix>)>> {
+    // The weights are fingerprinted only when some request names a prompt cache.
+    let identity = if records.iter().any(|r| r.prompt_cache.is_some()) {
+        Some(loaded.identity()?)
+    } else {
+        None
+    };
+    let mut cache_files = CacheFiles::default();
+    let mut requests = Vec::new();
+    for r in records {
+        let built = build_request(args, loaded, &r).and_then(|b| {
+            let prefix = match (&r.prompt_cache, &identity) {
+                (Some(path), Some(id)) => {
+                    Some(cache_files.prefix_for(path, &b.request.prompt, id, probe)?)
+                }
+                _ => None,
+            };
+            Ok((b, prefix))
+        });
+        match built {
+            Ok((b, prefix)) => requests.push((r.line, b, prefix)),
+            Err(e) => invalid.push(InvalidLine {
+                line: r.line,
+                id: Some(r.id.clone()),
+                error: crate::cli::one_line(&e),
+            }),
+        }
+    }
+    Ok(requests)
 }
 
 /// Tokenizes one request and merges its overrides into the command-line defaults.
@@ -400,6 +455,9 @@ fn build_request(
     };
     let mut params = args.sampling.params();
     if let Some(t) = r.temperature {
+        if !(t.is_finite() && t >= 0.0) {
+            bail!("\"temperature\" must be a number ≥ 0, 0 = greedy (got {t})");
+        }
         params.temperature = t;
     }
     if let Some(p) = r.top_p {

@@ -3,6 +3,15 @@
 //! `batch-generate` and `serve` use, with the same columns, so the two are compared like with
 //! like. The measurement itself lives in `bench::batch`.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Result};
 use clap::Args;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
@@ -119,10 +128,10 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     let dtype = format!("{:?}", model.dtype()).to_lowercase();
     let mut rows = Vec::new();
     if !args.json {
-        println!(
-            "model: {} | device: {} | dtype: {dtype} | KV cache: {kv_desc} | prefill chunk: {}",
+        super::print_out(&format!(
+            "model: {} | device: {} | dtype: {dtype} | KV cache: {kv_desc} | prefill chunk: {}\n",
             loaded.description, args.device.device, args.prefill_chunk
-        );
+        ))?;
     }
     for s in shapes {
         let row = run_one(s)?;
@@ -151,10 +160,9 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
             },
             "rows": rows,
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        super::print_out(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
     } else {
-        println!("{}", table(&rows, peak_rss));
-        println!("{COLUMNS_NOTE}.");
+        super::print_out(&format!("{}\n{COLUMNS_NOTE}.\n", table(&rows, peak_rss)))?;
     }
     Ok(())
 }
@@ -212,6 +220,12 @@ fn table(rows: &[Row], peak_rss: Option<u64>) -> Table {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::parse_list;
 

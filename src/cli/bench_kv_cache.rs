@@ -1,6 +1,15 @@
 //! `kvq bench-kv-cache`: memory, compression, error and speed of quantized KV caches against the
 //! dense cache, as a table (default), JSON (`--json`) or CSV (`--csv`).
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use crate::bench::kv_cache::{self, BenchConfig, Progress, Report};
 use crate::cli::args::{DTypeArg, DeviceArgs};
 use anyhow::{bail, Result};
@@ -133,7 +142,7 @@ pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
     let cfg = BenchConfig {
         layers: args.layers,
         attn_layers: args.attn_layers,
-        seq_len: seq_lens[0],
+        seq_len: seq_lens.first().copied().unwrap_or_default(),
         seq_lens: if args.no_attention {
             Vec::new()
         } else {
@@ -154,11 +163,10 @@ pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
     };
     cfg.validate()?;
     let device = args.device.open()?;
-    let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg}")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
+    let bar = ProgressBar::new(0);
+    if let Ok(style) = ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
     let report = kv_cache::run(&cfg, &device, &Bar(bar.clone()));
     bar.finish_and_clear();
     let report = report?;

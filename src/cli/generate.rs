@@ -3,13 +3,22 @@
 //! This is the batch engine with a single request: the same scheduler, cache and model code
 //! that `batch-generate` drives.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
-use super::output_file::check_new_file;
+use super::output_file::{check_new_file, model_files, model_inputs};
 use super::prompt_cache::{check_can_save, write as write_prompt_cache, CacheFiles};
 use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
@@ -244,7 +253,9 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         None
     };
     if let Some(path) = &args.save_prompt_cache {
-        check_new_file("--save-prompt-cache", path, &m.source.files(), args.force)?;
+        let mut read = model_inputs(&args.model);
+        read.extend(model_files(m));
+        check_new_file("--save-prompt-cache", path, &read, args.force)?;
         check_can_save(cache.config(), prompt.len())?;
     }
     let prefix = match (&args.prompt_cache, &identity) {

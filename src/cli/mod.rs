@@ -1,10 +1,20 @@
 //! The command line: one file per subcommand plus the shared flag groups in `args`.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 pub mod args;
 pub mod batch_generate;
 pub mod bench_batch;
 pub mod bench_kv_cache;
 pub mod generate;
+pub mod kv_budget;
 pub mod output_file;
 pub mod perplexity;
 pub mod prompt_cache;

@@ -2,9 +2,11 @@
 //! refuses to overwrite, and how an output is held while a run writes it.
 //!
 //! Rules (README, "What kvq refuses, and what it never does"):
-//! - an existing file is replaced only with `--force`; never the model being loaded, never a
-//!   device, FIFO or other non-regular file (a symlink is followed to its target, which is what
-//!   gets written);
+//! - an existing file is replaced only with `--force`; never a file the run reads (the model's
+//!   files, the batch input, the `--tokenizer`), never a device, FIFO or other non-regular file
+//!   (a symlink is followed to its target, which is what gets written);
+//! - `batch-generate -o FILE --force` keeps the old content until the run is under way (the
+//!   model loaded, every request checked): a run that fails before that changes nothing;
 //! - a batch output is locked (an exclusive advisory lock) for the whole run, so two runs never
 //!   interleave their lines in one file;
 //! - a non-regular output (`-o /dev/stdout`, a pipe) is written as a stream: never read, never
@@ -25,7 +27,9 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+use super::args::ModelArgs;
 use crate::engine::batch_io::read_resume;
+use crate::model::load::LoadedModel;
 
 /// What a path is, in words, when it is not a regular file.
 fn kind(meta: &std::fs::Metadata) -> &'static str {
@@ -69,16 +73,59 @@ pub fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// Checks that `flag PATH` may be written as a new file: it does not exist, or it is a regular
-/// file (through symlinks) that is none of `protected` (the model's files) and `force` is set.
-pub fn check_new_file(flag: &str, path: &Path, protected: &[PathBuf], force: bool) -> Result<()> {
-    if let Some(p) = protected.iter().find(|p| same_file(path, p)) {
+/// Refuses `flag PATH` when it names a file this run reads (`read`: what it is, e.g. "the
+/// model file", and its path), also through a symlink or a hard link.
+pub fn check_not_read(flag: &str, path: &Path, read: &[(&str, PathBuf)]) -> Result<()> {
+    if let Some((what, p)) = read.iter().find(|(_, p)| same_file(path, p)) {
         bail!(
-            "{flag} {} is the model file {} being loaded: kvq never writes over a model",
+            "{flag} {} is {what} {} this run reads: kvq never writes over its inputs",
             path.display(),
             p.display()
         );
     }
+    Ok(())
+}
+
+/// The files `--model` and `--tokenizer` name that are known before the model loads: a model
+/// file, every file of a model directory, the tokenizer. (What `--model` resolves to otherwise,
+/// the default model or a Hub download, is known once loaded: [`model_files`].)
+pub fn model_inputs(m: &ModelArgs) -> Vec<(&'static str, PathBuf)> {
+    let mut read = Vec::new();
+    if let Some(t) = &m.tokenizer {
+        read.push(("the --tokenizer file", t.clone()));
+    }
+    if let Some(p) = m.model.as_deref().map(Path::new) {
+        if p.is_file() {
+            read.push(("the model file", p.to_path_buf()));
+        } else if let Ok(f) = crate::model::hub::model_files_in_dir(p) {
+            let mut files = f.weights;
+            files.extend([f.config, f.tokenizer]);
+            files.extend(f.tokenizer_config);
+            files.extend(f.generation_config);
+            read.extend(files.into_iter().map(|p| ("the model file", p)));
+        }
+    }
+    read
+}
+
+/// The files the loaded model was read from, as [`check_not_read`] takes them.
+pub fn model_files(m: &LoadedModel) -> Vec<(&'static str, PathBuf)> {
+    m.source
+        .files()
+        .into_iter()
+        .map(|f| ("the model file", f))
+        .collect()
+}
+
+/// Checks that `flag PATH` may be written as a new file: it does not exist, or it is a regular
+/// file (through symlinks) that is none of `read` (the files the run reads) and `force` is set.
+pub fn check_new_file(
+    flag: &str,
+    path: &Path,
+    read: &[(&str, PathBuf)],
+    force: bool,
+) -> Result<()> {
+    check_not_read(flag, path, read)?;
     match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e).with_context(|| format!("{flag} {}", path.display())),
@@ -112,6 +159,22 @@ pub struct BatchOutput {
     _previous: Option<File>,
     /// With `--resume`: the keys of what the file already holds.
     pub done: Option<HashSet<String>>,
+    /// With `--force` on a non-empty file: emptied by [`BatchOutput::start`], not before.
+    empty_on_start: bool,
+}
+
+impl BatchOutput {
+    /// Called once the run is under way (the model loaded, every request checked), before the
+    /// first record: only now does `--force` empty the old file, so a run that fails before
+    /// it starts leaves the old content as it was.
+    pub fn start(&mut self, path: &Path) -> Result<()> {
+        if std::mem::take(&mut self.empty_on_start) {
+            self.out
+                .set_len(0)
+                .with_context(|| format!("cannot empty {}", path.display()))?;
+        }
+        Ok(())
+    }
 }
 
 impl Write for BatchOutput {
@@ -138,7 +201,7 @@ fn lock(file: &File, path: &Path) -> Result<()> {
 }
 
 /// Opens `-o PATH` for a batch run. Without `resume`, an existing non-empty file needs `force`
-/// (and is emptied only once locked). With `resume`, the file is read and checked line by line
+/// (and is emptied only by [`BatchOutput::start`], once the run is under way). With `resume`, the file is read and checked line by line
 /// (see [`read_resume`]); if anything must go (cancelled records, a torn last line), the kept
 /// lines are written to a new file, locked, and renamed over the old one.
 pub fn open_batch_output(path: &Path, resume: bool, force: bool) -> Result<BatchOutput> {
@@ -169,6 +232,7 @@ pub fn open_batch_output(path: &Path, resume: bool, force: bool) -> Result<Batch
             out,
             _previous: None,
             done: None,
+            empty_on_start: false,
         });
     }
     let target = replace_target(path);
@@ -181,20 +245,17 @@ pub fn open_batch_output(path: &Path, resume: bool, force: bool) -> Result<Batch
     lock(&file, path)?;
     if !resume {
         let len = file.metadata()?.len();
-        if len > 0 {
-            if !force {
-                bail!(
-                    "{} already exists: --resume continues it, --force overwrites it",
-                    path.display()
-                );
-            }
-            file.set_len(0)
-                .with_context(|| format!("cannot empty {}", path.display()))?;
+        if len > 0 && !force {
+            bail!(
+                "{} already exists: --resume continues it, --force overwrites it",
+                path.display()
+            );
         }
         return Ok(BatchOutput {
             out: file,
             _previous: None,
             done: None,
+            empty_on_start: len > 0,
         });
     }
     let mut bytes = Vec::new();
@@ -240,6 +301,7 @@ pub fn open_batch_output(path: &Path, resume: bool, force: bool) -> Result<Batch
             out: file,
             _previous: None,
             done: Some(st.done),
+            empty_on_start: false,
         });
     }
     let new = rewrite_locked(&target, &st.keep)?;
@@ -247,6 +309,7 @@ pub fn open_batch_output(path: &Path, resume: bool, force: bool) -> Result<Batch
         out: new,
         _previous: Some(file),
         done: Some(st.done),
+        empty_on_start: false,
     })
 }
 
@@ -311,8 +374,9 @@ mod tests {
         std::fs::write(&model, b"x").unwrap();
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&model, &link).unwrap();
+        let read = [("the model file", model.clone())];
         for p in [&model, &link] {
-            let e = check_new_file("--x", p, std::slice::from_ref(&model), true).unwrap_err();
+            let e = check_new_file("--x", p, &read, true).unwrap_err();
             assert!(e.to_string().contains("model"), "{e}");
         }
         let other = dir.path().join("o");

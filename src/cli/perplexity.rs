@@ -1,6 +1,15 @@
 //! `kvq perplexity`: what a KV setting costs in quality — perplexity, and KL divergence, Δp and
 //! same-top-1 against the dense cache — on a text file, one table row per setting.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use clap::Args;
@@ -266,7 +275,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
     let mut done = 0usize;
     let reports = evaluate(
         model,
-        &tokens[..windows * args.ctx],
+        tokens.get(..windows * args.ctx).unwrap_or_default(),
         &settings,
         Options {
             ctx: args.ctx,
@@ -300,7 +309,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
             "{}: {windows} windows x {} tokens ({} scored per setting) | {} | {:.1} s, {:.0} tok/s",
             args.file.display(),
             args.ctx,
-            reports[0].tokens,
+            reports.first().map_or(0, |r| r.tokens),
             loaded.description,
             seconds,
             total as f64 / seconds.max(1e-9)
@@ -367,6 +376,12 @@ fn table(reports: &[Report]) -> Table {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 

@@ -1,12 +1,22 @@
 //! `kvq serve`: flags → [`crate::server::ServeOptions`] and a loader for the engine thread.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Result};
 use clap::Args;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
+use super::kv_budget::{group_bytes, PoolBudget};
 use crate::engine::batch_io::parse_bytes;
 use crate::engine::scheduler::EngineConfig;
-use crate::kv::cache::{PagedKvCache, PoolSizing};
+use crate::kv::cache::{Blocks, CacheConfig, PagedKvCache, PoolSizing};
 use crate::model::load::load;
 use crate::server::api::Defaults;
 use crate::server::{serve, ServeOptions};
@@ -117,7 +127,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 chunk: a.prefill_chunk,
             };
             let probe = kv.cache_config(model.kv_shape(), model.dtype(), sizing(0))?;
-            let bytes = budget_bytes(&a, &probe, window);
+            let bytes = budget(&a, window, &probe)?;
             let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing(bytes))?;
             super::args::check_cache_memory(&cfg, &device)?;
             let blocks = cfg.pool_sizes();
@@ -131,8 +141,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                         .join(" + ")
                 ),
             };
+            let staging = match super::args::staging_bytes(&cfg)? {
+                0 => String::new(),
+                b => format!(" + {} MiB of dense staging", b >> 20),
+            };
             eprintln!(
-                "kvq serve: {} | KV cache {held} of {} tokens ({} MiB)",
+                "kvq serve: {} | KV cache {held} of {} tokens ({} MiB{staging})",
                 loaded.description,
                 probe.block_size,
                 cfg.main_bytes() >> 20
@@ -153,26 +167,28 @@ fn model_name(m: &ModelArgs) -> String {
     }
 }
 
-/// Bytes of main-pool blocks to allocate: --kv-memory, or room for --max-batch requests of the
-/// whole window (one partial block each), capped at a quarter of the available memory but
-/// never below one such request. The layer groups share them by what such a request holds in
-/// each.
-fn budget_bytes(a: &ServeArgs, probe: &crate::kv::cache::CacheConfig, window: usize) -> usize {
-    let block_bytes = probe.group_block_bytes();
-    let one: usize = probe
-        .max_blocks_for(window, a.prefill_chunk)
-        .0
-        .iter()
-        .zip(&block_bytes)
-        .map(|(&n, &b)| (n + 1).saturating_mul(b))
-        .fold(0, usize::saturating_add)
-        .max(1);
-    if let Some(bytes) = a.kv_memory {
-        return bytes.max(probe.bytes_per_block().max(1));
+/// Bytes of main-pool blocks to allocate, checked as batch-generate checks them
+/// ([`PoolBudget`]): --kv-memory less the dense staging pool, which must hold at least one
+/// request of --max-tokens tokens (longer ones are refused one by one when they come); by
+/// default room for --max-batch requests of the whole window (one partial block each), capped
+/// at a quarter of the available memory but never below one such request.
+fn budget(a: &ServeArgs, window: usize, probe: &CacheConfig) -> Result<usize> {
+    let tokens = a.sampling.max_tokens.min(window);
+    // A request of the whole window, one partial block more in each group.
+    let whole_blocks = probe.max_blocks_for(window, a.prefill_chunk);
+    let whole = group_bytes(
+        probe,
+        &Blocks(whole_blocks.0.iter().map(|n| n.saturating_add(1)).collect()),
+    );
+    let what = format!("one request of --max-tokens {}", a.sampling.max_tokens);
+    PoolBudget {
+        kv_memory: a.kv_memory,
+        one_blocks: probe.max_blocks_for(tokens, a.prefill_chunk),
+        one_tokens: tokens,
+        one_what: &what,
+        want: whole.saturating_mul(a.max_batch),
+        floor: whole,
+        share: 4,
     }
-    let want = one.saturating_mul(a.max_batch);
-    match crate::device::available_memory() {
-        Some(avail) => want.min(avail as usize / 4).max(one),
-        None => want,
-    }
+    .bytes(probe)
 }

@@ -230,8 +230,9 @@ fn parse_json_line(text: &str, line: usize) -> Result<InputRecord, InvalidLine> 
 #[derive(Debug, Default)]
 pub struct ResumeState {
     /// Keys of what is done: ids with a final result ([`id_key`]) and the lines of the input
-    /// that have an error record ([`line_key`]; error records never claim an id, so a broken
-    /// line can never make `--resume` skip a valid request with the same id).
+    /// that have an error record ([`line_key`]: number and text; error records never claim an
+    /// id, so a broken line can never make `--resume` skip a valid request with the same id,
+    /// and a line fixed since its error record runs).
     pub done: HashSet<String>,
     /// The lines to keep, in order: complete records other than `cancelled` ones (those requests
     /// run again), without a torn last line.
@@ -254,9 +255,32 @@ pub struct ForeignLine {
     pub why: String,
 }
 
-/// The `--resume` key of an input line that has an error record.
-pub fn line_key(line: usize) -> String {
-    format!("line {line}")
+/// The `--resume` key of an input line that has an error record: its number and the digest of
+/// its text ([`line_hash`]), so a line edited since (fixed, or broken another way) is read
+/// again. Records written without a digest are keyed by the number alone.
+pub fn line_key(line: usize, hash: Option<&str>) -> String {
+    match hash {
+        Some(h) => format!("line {line} {h}"),
+        None => format!("line {line}"),
+    }
+}
+
+/// The digest of one input line, as error records carry it (`line_hash`): the first 16 hex
+/// digits of the SHA-256 of its bytes.
+pub fn line_hash(line: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(line)
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// [`line_hash`] of every line of an input file, line 1 first (a leading byte-order mark is
+/// not part of line 1, as [`decode_input`] reads it).
+pub fn line_hashes(bytes: &[u8]) -> Vec<String> {
+    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    bytes.split(|&b| b == b'\n').map(line_hash).collect()
 }
 
 /// What one output line is, if it is a kvq record: `Ok(None)` for a cancelled one.
@@ -269,13 +293,22 @@ fn record_key(line: &str) -> Result<Option<String>, String> {
         .ok_or("no \"finish_reason\"")?;
     match finish {
         "cancelled" => Ok(None),
-        // An input line that could not be used: keyed by its line (its id may not be its own).
+        // An input line that could not be used: keyed by its line and that line's text (its
+        // id may not be its own).
         "error" if obj.contains_key("line") => {
             let n = obj
                 .get("line")
                 .and_then(Value::as_u64)
                 .ok_or("an error record whose \"line\" is not a number")?;
-            Ok(Some(line_key(usize::try_from(n).unwrap_or(usize::MAX))))
+            let hash = match obj.get("line_hash") {
+                None => None,
+                Some(Value::String(h)) => Some(h.as_str()),
+                Some(_) => return Err("an error record whose \"line_hash\" is not a string".into()),
+            };
+            Ok(Some(line_key(
+                usize::try_from(n).unwrap_or(usize::MAX),
+                hash,
+            )))
         }
         // A request that failed while running (its id is a valid one), like any result.
         _ => match obj.get("id") {
@@ -458,17 +491,20 @@ mod tests {
             "{\"id\":\"a\",\"finish_reason\":\"stop\"}\n",
             "{\"id\":\"b\",\"finish_reason\":\"cancelled\"}\n",
             "{\"id\":3,\"line\":4,\"finish_reason\":\"error\"}\n",
+            "{\"id\":null,\"line\":5,\"line_hash\":\"ab\",\"finish_reason\":\"error\"}\n",
             "{\"id\":\"d\",\"fini",
         );
         let st = read_resume(text).unwrap();
-        assert_eq!(st.keep.len(), 2);
-        assert!(st.done.contains("\"a\"") && st.done.contains(&line_key(4)));
+        assert_eq!(st.keep.len(), 3);
+        assert!(st.done.contains("\"a\"") && st.done.contains(&line_key(4, None)));
+        assert!(st.done.contains(&line_key(5, Some("ab"))));
+        assert!(!st.done.contains(&line_key(5, None)));
         assert!(
             !st.done.contains("3"),
             "an error record claims its line, not its id"
         );
         assert!(!st.done.contains("\"b\""));
-        assert_eq!((st.cancelled, st.torn, st.rewrite), (1, Some(4), true));
+        assert_eq!((st.cancelled, st.torn, st.rewrite), (1, Some(5), true));
         assert!(
             !read_resume("{\"id\":1,\"finish_reason\":\"stop\"}\n")
                 .unwrap()
@@ -493,6 +529,16 @@ mod tests {
         assert_eq!(t.lines().collect::<Vec<_>>(), ["ok", "", "fine"]);
         assert_eq!(bad.len(), 1);
         assert_eq!(bad[0].line, 2);
+    }
+
+    #[test]
+    fn line_hashes_follow_the_lines_of_the_file() {
+        let h = line_hashes(b"\xEF\xBB\xBFone\ntwo\n");
+        assert_eq!(h.len(), 3);
+        assert_eq!(h[0], line_hash(b"one"));
+        assert_eq!(h[1], line_hash(b"two"));
+        assert_eq!(h[0].len(), 16);
+        assert_ne!(h[0], h[1]);
     }
 
     #[test]

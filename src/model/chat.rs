@@ -5,6 +5,15 @@
 //! pycompat, `raise_exception(msg)`, and the variables `messages`, `add_generation_prompt`,
 //! `bos_token`, `eos_token`. A template that raises becomes an error carrying its message.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};

@@ -29,6 +29,8 @@ pub struct HeaderError {
 const MAX_DIMS: u32 = 4;
 /// Array nesting that real files never exceed (bounds the recursion).
 const MAX_NESTING: u32 = 8;
+/// The key whose value the tensor data is aligned to (candle divides by it).
+const ALIGNMENT_KEY: &[u8; 17] = b"general.alignment";
 
 struct Walker<R> {
     r: R,
@@ -102,6 +104,49 @@ impl<R: Read> Walker<R> {
         Ok(Some(b))
     }
 
+    /// A metadata key, skipped; true when it is `general.alignment`.
+    fn key(&mut self) -> Result<bool, HeaderError> {
+        let n = self.u64()?;
+        if n > self.left() {
+            return self.fail(format!(
+                "a metadata key claims {n} bytes, more than the {} left in the file",
+                self.left()
+            ));
+        }
+        if n != ALIGNMENT_KEY.len() as u64 {
+            self.skip(n, "a metadata key")?;
+            return Ok(false);
+        }
+        Ok(&self.bytes::<17>()? == ALIGNMENT_KEY)
+    }
+
+    /// The value of `general.alignment` (type `t`): an integer candle reads (u8..u32, i8..i32)
+    /// and, as llama.cpp requires, a power of two. candle divides by it (0 would panic) and
+    /// ignores other types (the data would be read at the wrong offsets).
+    fn alignment(&mut self, t: u32) -> Result<(), HeaderError> {
+        let v: i64 = match t {
+            0 => u8::from_le_bytes(self.bytes()?).into(),
+            1 => i8::from_le_bytes(self.bytes()?).into(),
+            2 => u16::from_le_bytes(self.bytes()?).into(),
+            3 => i16::from_le_bytes(self.bytes()?).into(),
+            4 => u32::from_le_bytes(self.bytes()?).into(),
+            5 => i32::from_le_bytes(self.bytes()?).into(),
+            other => {
+                return self.fail(format!(
+                    "general.alignment has metadata type {other}: it must be an unsigned integer \
+                     (u32), a power of two"
+                ))
+            }
+        };
+        if !u64::try_from(v).is_ok_and(u64::is_power_of_two) {
+            return self.fail(format!(
+                "general.alignment is {v}: it must be a power of two (the tensor data is aligned \
+                 to it)"
+            ));
+        }
+        Ok(())
+    }
+
     /// One metadata value of type `t`.
     fn value(&mut self, t: u32, depth: u32) -> Result<(), HeaderError> {
         let fixed = match t {
@@ -161,9 +206,13 @@ pub fn check_header(r: impl Read, len: u64) -> Result<u64, HeaderError> {
         ));
     }
     for _ in 0..kvs {
-        w.string("a metadata key", false)?;
+        let alignment = w.key()?;
         let t = w.u32()?;
-        w.value(t, 0)?;
+        if alignment {
+            w.alignment(t)?;
+        } else {
+            w.value(t, 0)?;
+        }
     }
     if tensors.saturating_mul(28) > w.left() {
         return w.fail(format!(
@@ -180,9 +229,15 @@ pub fn check_header(r: impl Read, len: u64) -> Result<u64, HeaderError> {
             ));
         }
         let mut elems: u64 = 1;
+        let mut empty = false;
         for _ in 0..dims {
             let d = w.u64()?;
+            empty |= d == 0;
             elems = elems.saturating_mul(d);
+        }
+        // candle cannot read a tensor without values (it aborts on the empty slice).
+        if empty {
+            return w.fail(format!("tensor {name} has a dimension of 0 (no values)"));
         }
         // No GGML type stores a value in less than one bit... or 1.5 bits: at most 8 per byte.
         if elems > len.saturating_mul(8) {
@@ -279,5 +334,28 @@ mod tests {
         assert!(e.what.contains("array claims 4294967296"), "{e}");
         assert!(check(b"GGUF").is_err());
         assert!(check(b"").is_err());
+    }
+
+    #[test]
+    fn alignment_must_be_a_power_of_two_of_a_type_candle_reads() {
+        let with = |t: u32, v: &[u8]| {
+            let mut b = header(0, 1);
+            s(&mut b, "general.alignment");
+            b.extend(t.to_le_bytes());
+            b.extend(v);
+            check(&b)
+        };
+        assert_eq!(with(4, &64u32.to_le_bytes()), Ok(0));
+        assert_eq!(with(0, &[8]), Ok(0));
+        for (t, v) in [
+            (4, 0u32.to_le_bytes().to_vec()),
+            (4, 24u32.to_le_bytes().to_vec()),
+            (5, (-32i32).to_le_bytes().to_vec()),
+        ] {
+            let e = with(t, &v).unwrap_err();
+            assert!(e.what.contains("power of two"), "{e}");
+        }
+        let e = with(10, &32u64.to_le_bytes()).unwrap_err();
+        assert!(e.what.contains("metadata type 10"), "{e}");
     }
 }

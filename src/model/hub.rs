@@ -6,6 +6,15 @@
 //! one GGUF (the one named, or the only one). Environment: `HF_HOME` (cache), `HF_ENDPOINT`
 //! (server), `HF_HUB_OFFLINE=1` (read only the local cache, never the network).
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::collections::BTreeSet;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -305,6 +314,12 @@ fn resolve_offline(spec: &Spec, cache: &Cache, repo: Repo) -> Result<HubModel> {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 

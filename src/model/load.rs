@@ -4,6 +4,15 @@
 //! KVQ_HOME); an existing `.gguf` file; an existing directory (config.json + safetensors +
 //! tokenizer.json); anything else is taken as a Hugging Face repo id.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
@@ -104,16 +113,8 @@ pub fn load(args: &ModelOptions, device: &Device) -> Result<LoadedModel> {
     let tokenizer = match &args.tokenizer {
         Some(t) => {
             let custom = TextTokenizer::from_files(t, None, &[])?;
-            let (have, own) = (custom.vocab_size(), tokenizer.vocab_size());
-            if have != own {
-                bail!(
-                    "--tokenizer {} has {have} tokens, but {description}'s own tokenizer has \
-                     {own}: they do not belong together (the model would emit ids it cannot \
-                     decode)",
-                    t.display()
-                );
-            }
-            custom
+            check_same_vocabulary(&custom, &tokenizer, t, &description)?;
+            custom.with_special_tokens_of(&tokenizer)
         }
         None => tokenizer,
     };
@@ -142,6 +143,47 @@ pub fn load(args: &ModelOptions, device: &Device) -> Result<LoadedModel> {
         source,
         weight_math,
     })
+}
+
+/// Refuses a `--tokenizer` whose vocabulary is not the model's own: the same size and, id by
+/// id, the same token strings (the model's BOS and EOS included). Another vocabulary would make
+/// the model read ids it was not trained on and emit ids the tokenizer decodes to other text.
+fn check_same_vocabulary(
+    custom: &TextTokenizer,
+    own: &TextTokenizer,
+    path: &Path,
+    description: &str,
+) -> Result<()> {
+    let (have, want) = (custom.vocab_size(), own.vocab_size());
+    if have != want {
+        bail!(
+            "--tokenizer {} has {have} tokens, but {description}'s own tokenizer has {want}: they \
+             do not belong together (the model would emit ids it cannot decode)",
+            path.display()
+        );
+    }
+    let special = own
+        .bos_token()
+        .map(|(id, _)| id)
+        .into_iter()
+        .chain(own.eos_token_ids().iter().copied());
+    let ids = special.chain(0..u32::try_from(want).unwrap_or(u32::MAX));
+    for id in ids {
+        let Some(mine) = own.id_to_token(id) else {
+            continue; // a duplicate string in the model's list: only its first id is reachable
+        };
+        let theirs = custom.id_to_token(id);
+        if theirs.as_deref() != Some(mine.as_str()) {
+            bail!(
+                "--tokenizer {} is another vocabulary than {description}'s: token {id} is {} \
+                 there but {mine:?} in the model's own (the same size, other tokens: the model \
+                 would read and write ids that mean other text)",
+                path.display(),
+                theirs.map_or("missing".into(), |t| format!("{t:?}")),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Seed of `--load-format dummy` weights (where the device's generator takes one).
@@ -173,7 +215,7 @@ fn check_model_path(p: &Path, spec: &str) -> Result<()> {
         let n = std::fs::File::open(p)
             .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
             .unwrap_or(0);
-        let safetensors_header = n == 9 && head[8] == b'{' && &head[..4] != b"GGUF";
+        let safetensors_header = n == 9 && head.get(8) == Some(&b'{') && !head.starts_with(b"GGUF");
         if spec.ends_with(".safetensors") || safetensors_header {
             let dir = p.parent().map_or(".".into(), |d| d.display().to_string());
             bail!(

@@ -15,6 +15,15 @@
 //! - `encode` never runs the post-processor; BOS is prepended by us, only when asked and when the
 //!   model wants one, and never twice (chat templates often render the BOS themselves).
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -166,8 +175,8 @@ impl TextTokenizer {
                 vocab.entry(tok.clone()).or_insert(id as u32);
             }
             let mut builder = BPE::builder().vocab_and_merges(vocab, merges);
-            if let Some(unk) = unk_id {
-                builder = builder.unk_token(tokens[unk as usize].clone());
+            if let Some(unk) = unk_id.and_then(|id| tokens.get(id as usize)) {
+                builder = builder.unk_token(unk.clone());
             }
             let bpe = builder
                 .build()
@@ -212,8 +221,9 @@ impl TextTokenizer {
             None => None,
         };
         Ok(Self {
-            bos: bos_id.map(|id| (id, tokens[id as usize].clone())),
-            eos_text: eos_id.map(|id| tokens[id as usize].clone()),
+            // Both ids were checked against the vocabulary above.
+            bos: bos_id.and_then(|id| Some((id, tokens.get(id as usize)?.clone()))),
+            eos_text: eos_id.and_then(|id| tokens.get(id as usize).cloned()),
             eos_ids,
             add_bos,
             chat_template,
@@ -318,6 +328,21 @@ impl TextTokenizer {
             add_bos,
             chat_template,
         })
+    }
+
+    /// This tokenizer, with the BOS, EOS and `add_bos_token` of `own` (the model's tokenizer,
+    /// whose vocabulary this one was checked to share) where it has none of its own: a bare
+    /// tokenizer.json names no EOS, and generation would never stop at one.
+    pub fn with_special_tokens_of(mut self, own: &TextTokenizer) -> Self {
+        if self.bos.is_none() {
+            self.bos = own.bos.clone();
+            self.add_bos = own.add_bos;
+        }
+        if self.eos_ids.is_empty() {
+            self.eos_ids = own.eos_ids.clone();
+            self.eos_text = own.eos_text.clone();
+        }
+        self
     }
 
     /// Encodes `text`; special-token strings in it map to their ids. A BOS is prepended only when

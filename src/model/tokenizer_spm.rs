@@ -12,6 +12,15 @@
 //! first piece of text gets one `▁` in front, as transformers' Metaspace pre-tokenizer does, and
 //! decoding strips it again.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{anyhow, Result};
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::fuse::Fuse;
@@ -79,8 +88,8 @@ pub fn tokenizer(
         .vocab_and_merges(vocab, merges_from_scores(tokens, scores))
         .byte_fallback(true)
         .fuse_unk(true);
-    if let Some(unk) = unk {
-        builder = builder.unk_token(tokens[unk as usize].clone());
+    if let Some(unk) = unk.and_then(|id| tokens.get(id as usize)) {
+        builder = builder.unk_token(unk.clone());
     }
     let bpe = builder
         .build()
@@ -108,6 +117,12 @@ pub fn tokenizer(
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 

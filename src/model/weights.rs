@@ -7,6 +7,15 @@
 //! interleaved RoPE (llama.cpp's converter does this); we undo the permutation on load, on the raw
 //! quantized rows, so the model has one RoPE layout (rotate-half) for every source.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -187,8 +196,8 @@ impl Linear {
                 _ => None,
             })
             .collect();
-        if qs.len() == parts.len() {
-            let (dtype, dims) = (qs[0].dtype(), qs[0].shape().dims2()?);
+        if let (true, Some(first)) = (qs.len() == parts.len(), qs.first()) {
+            let (dtype, dims) = (first.dtype(), first.shape().dims2()?);
             let mut rows = 0;
             let mut data = Vec::new();
             for q in &qs {
@@ -199,7 +208,7 @@ impl Linear {
                 rows += r;
                 data.extend_from_slice(&q.data()?);
             }
-            let dev = qs[0].device();
+            let dev = first.device();
             let storage = QStorage::from_data(std::borrow::Cow::Owned(data), &dev, dtype)?;
             let q = QTensor::new(storage, (rows, dims.1))?;
             return Ok(Some(Linear::candle(QMatMul::from_qtensor(q)?, b)));
@@ -211,7 +220,8 @@ impl Linear {
                 _ => None,
             })
             .collect();
-        if ws.len() == parts.len() && ws.iter().all(|w| w.dim(1).ok() == ws[0].dim(1).ok()) {
+        let width = ws.first().and_then(|w| w.dim(1).ok());
+        if ws.len() == parts.len() && ws.iter().all(|w| w.dim(1).ok() == width) {
             return Ok(Some(Linear::candle(
                 QMatMul::Tensor(Tensor::cat(&ws, 0)?),
                 b,
@@ -419,15 +429,19 @@ impl Weights {
                 } else {
                     self.device.clone()
                 };
-                let mut q = g.qtensor(&format!("{base}.weight"), &load_dev)?;
+                // Checked before reading and un-permuting (which divides by the row count).
+                let name = format!("{base}.weight");
+                if let Some(info) = g.content.tensor_infos.get(&name) {
+                    if info.shape.dims() != [out_dim, in_dim] {
+                        bail!(
+                            "tensor {name} has shape {:?}, the config expects [{out_dim}, {in_dim}]",
+                            info.shape.dims()
+                        );
+                    }
+                }
+                let mut q = g.qtensor(&name, &load_dev)?;
                 if let Some(h) = heads {
                     q = unpermute_rows(&q, h, &self.device)?;
-                }
-                if q.shape().dims() != [out_dim, in_dim] {
-                    bail!(
-                        "tensor {base}.weight has shape {:?}, the config expects [{out_dim}, {in_dim}]",
-                        q.shape().dims()
-                    );
                 }
                 let w = if g.math == GgufMath::Dense || is_float(q.dtype()) {
                     Weight::Candle(QMatMul::Tensor(
@@ -575,23 +589,25 @@ fn tensor_bytes(info: &gguf_file::TensorInfo) -> Result<usize> {
 /// raw bytes move without requantizing.
 fn unpermute_rows(q: &QTensor, heads: usize, device: &Device) -> Result<QTensor> {
     let dims = q.shape().dims().to_vec();
-    let rows = dims[0];
-    if !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
+    let rows = dims.first().copied().unwrap_or(0);
+    if rows == 0 || heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         bail!("cannot un-permute {rows} rows into {heads} heads");
     }
     let d = rows / heads;
     let data = q.data()?;
-    let row_bytes = data.len() / rows;
-    let mut out = vec![0u8; data.len()];
-    for h in 0..heads {
-        for half in 0..2 {
-            for i in 0..d / 2 {
-                let src = h * d + 2 * i + half;
-                let dst = h * d + half * (d / 2) + i;
-                out[dst * row_bytes..(dst + 1) * row_bytes]
-                    .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
-            }
-        }
+    if !data.len().is_multiple_of(rows) {
+        bail!("{} bytes do not split into {rows} rows", data.len());
+    }
+    let src_rows: Vec<&[u8]> = data.chunks_exact(data.len() / rows).collect();
+    // Hugging Face row `dst` (head h, half, i) is GGUF row h*d + 2i + half.
+    let mut out = Vec::with_capacity(data.len());
+    for dst in 0..rows {
+        let (h, r) = (dst / d, dst % d);
+        let (half, i) = (r / (d / 2), r % (d / 2));
+        let src = src_rows
+            .get(h * d + 2 * i + half)
+            .context("un-permuting Q/K rows: row out of range")?;
+        out.extend_from_slice(src);
     }
     let storage = QStorage::from_data(Cow::Owned(out), device, q.dtype())?;
     Ok(QTensor::new(storage, dims)?)

@@ -4,6 +4,15 @@
 //! Only what kvq can honour is accepted: `n` must be 1; unknown fields are ignored, as OpenAI's
 //! own clients send several (`user`, `logprobs: false`, ...).
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use serde_json::{json, Map, Value};
 
 use crate::engine::request::FinishReason;
@@ -280,8 +289,13 @@ fn parse_prompt(v: Option<&Value>) -> Result<Prompt, ApiError> {
     };
     let p = match v {
         Some(Value::String(s)) => Prompt::Text(s.clone()),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            Prompt::Text(a[0].as_str().unwrap_or_default().to_string())
+        Some(Value::Array(a)) if a.len() == 1 && a.first().is_some_and(Value::is_string) => {
+            Prompt::Text(
+                a.first()
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+            )
         }
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => Prompt::Tokens(
             a.iter()
@@ -470,6 +484,12 @@ impl ResponseMeta {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 mod tests {
     use super::*;
 

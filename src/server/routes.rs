@@ -4,6 +4,15 @@
 //! relay its [`Update`]s, as one JSON response or as server-sent events. Dropping a handler (the
 //! client went away) drops the job's receiver, which the engine thread takes as a cancel.
 
+// Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
+// that could panic on it (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::convert::Infallible;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};

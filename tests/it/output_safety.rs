@@ -3,7 +3,6 @@
 
 use crate::common::*;
 use serde_json::Value;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -49,6 +48,195 @@ fn gguf_with(tensors: u64, overrides: &[(&str, u32)]) -> Vec<u8> {
     }
     b.extend(vec![0u8; 64]);
     b
+}
+
+/// The default model's token strings, by id.
+fn model_tokens() -> Vec<String> {
+    let model = kvq::model::fetch::default_model().unwrap();
+    let mut r = std::fs::File::open(&model).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut r).unwrap();
+    match content.metadata.get("tokenizer.ggml.tokens") {
+        Some(candle_core::quantized::gguf_file::Value::Array(a)) => {
+            a.iter().map(|t| t.to_string().unwrap().clone()).collect()
+        }
+        _ => panic!("no vocabulary"),
+    }
+}
+
+/// A word-level tokenizer.json whose token `tokens[i]` has id i.
+fn write_word_level(path: &Path, tokens: &[String]) {
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), Value::from(i)))
+        .collect();
+    assert_eq!(vocab.len(), tokens.len(), "duplicate token strings");
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": tokens[0]}
+    });
+    std::fs::write(path, json.to_string()).unwrap();
+}
+
+#[test]
+fn a_tokenizer_is_checked_token_by_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = model_tokens();
+    // The model's size, other tokens.
+    let other: Vec<String> = (0..tokens.len()).map(|i| format!("t{i}")).collect();
+    let tok = dir.path().join("other.json");
+    write_word_level(&tok, &other);
+    fails_with(
+        &["generate", "--tokenizer", s(&tok), "--raw", "hi"],
+        "is another vocabulary",
+    );
+    // Only the EOS token swapped with another: refused, naming that token.
+    let mut swapped = tokens.clone();
+    let eos = tokens.iter().position(|t| t == "<|im_end|>").unwrap();
+    swapped.swap(eos, 100);
+    write_word_level(&tok, &swapped);
+    let e = fails_with(
+        &["generate", "--tokenizer", s(&tok), "--raw", "hi"],
+        "is another vocabulary",
+    );
+    assert!(e.contains(&format!("token {eos} ")), "{e}");
+    // The model's own vocabulary: the same tokens, stopping at the model's EOS.
+    write_word_level(&tok, &tokens);
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "--raw",
+            "--temp",
+            "0",
+            "--max-tokens",
+            "6",
+            "--json",
+        ];
+        a.extend(extra);
+        a.push("hi");
+        let o = kvq(&a);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["tokens"].clone()
+    };
+    assert_eq!(run(&["--tokenizer", s(&tok)]), run(&[]));
+}
+
+/// A GGUF metadata value.
+#[derive(Clone, Copy)]
+enum Meta<'a> {
+    U32(u32),
+    Str(&'a str),
+    Strs(&'a [&'a str]),
+}
+
+/// A GGUF v3 file: `meta`, then F32 tensors of the given GGML dimensions (fastest first),
+/// aligned to 32 bytes and filled with 0.01.
+fn gguf_file(meta: &[(&str, Meta)], tensors: &[(&str, &[u64])]) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        gguf_string(&mut b, k);
+        match v {
+            Meta::U32(x) => {
+                b.extend(4u32.to_le_bytes());
+                b.extend(x.to_le_bytes());
+            }
+            Meta::Str(x) => {
+                b.extend(8u32.to_le_bytes());
+                gguf_string(&mut b, x);
+            }
+            Meta::Strs(xs) => {
+                b.extend(9u32.to_le_bytes());
+                b.extend(8u32.to_le_bytes());
+                b.extend((xs.len() as u64).to_le_bytes());
+                for x in *xs {
+                    gguf_string(&mut b, x);
+                }
+            }
+        }
+    }
+    let sizes: Vec<u64> = tensors
+        .iter()
+        .map(|(_, d)| d.iter().product::<u64>() * 4)
+        .collect();
+    let mut offset = 0u64;
+    for ((name, dims), size) in tensors.iter().zip(&sizes) {
+        gguf_string(&mut b, name);
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in *dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(0u32.to_le_bytes()); // F32
+        b.extend(offset.to_le_bytes());
+        offset += size.div_ceil(32) * 32;
+    }
+    b.resize(b.len().div_ceil(32) * 32, 0);
+    for size in sizes {
+        for _ in 0..size / 4 {
+            b.extend(0.01f32.to_le_bytes());
+        }
+        b.resize(b.len().div_ceil(32) * 32, 0);
+    }
+    b
+}
+
+/// A one-layer llama GGUF of 64 wide with an 8-token vocabulary, `extra` metadata added, and
+/// the token embeddings and a Q projection of `q_rows` rows stored.
+fn tiny_llama_gguf(extra: &[(&str, Meta)], q_rows: u64) -> Vec<u8> {
+    let mut meta = vec![
+        ("general.architecture", Meta::Str("llama")),
+        ("llama.embedding_length", Meta::U32(64)),
+        ("llama.attention.head_count", Meta::U32(2)),
+        ("llama.attention.head_count_kv", Meta::U32(1)),
+        ("llama.feed_forward_length", Meta::U32(64)),
+        ("llama.block_count", Meta::U32(1)),
+        ("llama.context_length", Meta::U32(64)),
+        ("tokenizer.ggml.model", Meta::Str("gpt2")),
+        (
+            "tokenizer.ggml.tokens",
+            Meta::Strs(&["a", "b", "c", "d", "e", "f", "g", "h"]),
+        ),
+    ];
+    meta.extend(extra.iter().copied());
+    gguf_file(
+        &meta,
+        &[
+            ("token_embd.weight", &[64, 8]),
+            ("blk.0.attn_q.weight", &[64, q_rows]),
+        ],
+    )
+}
+
+#[test]
+fn a_bad_alignment_or_an_empty_attention_tensor_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (v, name) in [(0, "a0.gguf"), (24, "a24.gguf")] {
+        let g = temp_file(
+            dir.path(),
+            name,
+            &tiny_llama_gguf(&[("general.alignment", Meta::U32(v))], 64),
+        );
+        fails_with(
+            &["generate", "--model", s(&g), "--raw", "a"],
+            &format!("general.alignment is {v}: it must be a power of two"),
+        );
+    }
+    // A Q projection of no rows (candle cannot even read it), and of too few rows (checked
+    // before its rows are un-permuted).
+    let g = temp_file(dir.path(), "q0.gguf", &tiny_llama_gguf(&[], 0));
+    fails_with(
+        &["generate", "--model", s(&g), "--raw", "a"],
+        "tensor blk.0.attn_q.weight has a dimension of 0",
+    );
+    let g = temp_file(dir.path(), "q2.gguf", &tiny_llama_gguf(&[], 2));
+    fails_with(
+        &["generate", "--model", s(&g), "--raw", "a"],
+        "tensor blk.0.attn_q.weight has shape [2, 64], the config expects [64, 64]",
+    );
 }
 
 fn temp_file(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
@@ -204,7 +392,18 @@ fn json_into_a_closed_pipe_or_a_full_disk_is_an_error_not_a_panic() {
         "--no-attention",
         "--json",
     ];
-    for args in [&gen[..], &ppl[..], &bench[..]] {
+    let batch_bench = [
+        "bench-batch",
+        "--npp",
+        "4",
+        "--ntg",
+        "2",
+        "--npl",
+        "1",
+        "--no-warmup",
+        "--json",
+    ];
+    for args in [&gen[..], &ppl[..], &bench[..], &batch_bench[..]] {
         let o = into_closed_pipe(args);
         assert_fails_with(
             &o,
@@ -420,28 +619,10 @@ fn messages_name_the_real_problem() {
         ],
         "it is a directory",
     );
-    // A --tokenizer without a chat template: the message names it, not the GGUF.
+    // A --tokenizer of the model's own vocabulary but without a chat template: the message
+    // names the tokenizer, not the GGUF.
     let tok = dir.path().join("tokenizer.json");
-    let mut f = std::fs::File::create(&tok).unwrap();
-    let model = kvq::model::fetch::default_model().unwrap();
-    let content = {
-        let mut r = std::fs::File::open(&model).unwrap();
-        candle_core::quantized::gguf_file::Content::read(&mut r).unwrap()
-    };
-    let tokens = match content.metadata.get("tokenizer.ggml.tokens") {
-        Some(candle_core::quantized::gguf_file::Value::Array(a)) => a.len(),
-        _ => panic!("no vocabulary"),
-    };
-    let vocab: serde_json::Map<String, Value> = (0..tokens)
-        .map(|i| (format!("t{i}"), Value::from(i)))
-        .collect();
-    let json = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
-    });
-    f.write_all(json.to_string().as_bytes()).unwrap();
-    drop(f);
+    write_word_level(&tok, &model_tokens());
     fails_with(
         &["generate", "--tokenizer", s(&tok), "hi"],
         &format!("--tokenizer {} has no chat template", s(&tok)),

@@ -436,3 +436,223 @@ fn a_tokenizer_of_another_vocabulary_is_refused() {
         "they do not belong together",
     );
 }
+
+/// Runs kvq, killed after `secs` (a run that should have been refused would otherwise serve
+/// forever).
+fn kvq_within(args: &[&str], secs: u64) -> std::process::Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvq"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(secs) {
+            child.kill().unwrap();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn serve_kv_memory_is_checked_as_batch_generate_checks_it() {
+    let serve = ["serve", "--host", "127.0.0.1", "--port", "0"];
+    let o = kvq_within(&[&serve[..], &["--kv-memory", "1"]].concat(), 120);
+    assert_fails_with(
+        &o,
+        "--kv-memory 1",
+        "cannot hold one request of --max-tokens 256",
+    );
+    // 8 sequences x 33 staging blocks x 16 tokens of dense rows exceed 64 MiB.
+    let staged = [
+        "--kv-bits",
+        "4",
+        "--quantized-kv-start",
+        "512",
+        "--kv-memory",
+        "64M",
+    ];
+    let o = kvq_within(&[&serve[..], &staged[..]].concat(), 120);
+    assert_fails_with(&o, "staging", "dense staging for --quantized-kv-start");
+    let o = kvq_within(&[&serve[..], &["--kv-memory", "1000T"]].concat(), 120);
+    assert_fails_with(&o, "1000T", "more than the");
+}
+
+#[test]
+fn a_fixed_line_runs_on_resume_and_an_unchanged_one_is_not_redone() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    let a = "{\"id\": \"a\", \"prompt\": \"The sky is\"}";
+    let still_broken = "{\"prompt\": 5}";
+    std::fs::write(
+        &input,
+        format!(
+            "{a}\n{{\"id\": \"b\", \"prompt\": \"One, two,\", \"top_p\": 2}}\n\
+             {{\"id\": \"c\", \"prompt\": \n{still_broken}\n"
+        ),
+    )
+    .unwrap();
+    let out = dir.path().join("out.jsonl");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["batch-generate", s(&input), "-o", s(&out)];
+        args.extend(extra);
+        args.extend(QUICK);
+        kvq(&args)
+    };
+    // Without --skip-invalid an out-of-range value stops the run, naming its line and field.
+    let tp = dir.path().join("tp.jsonl");
+    std::fs::write(&tp, format!("{a}\n{{\"prompt\": \"x\", \"top_p\": 2}}\n")).unwrap();
+    let mut args = vec!["batch-generate", s(&tp)];
+    args.extend(QUICK);
+    fails_with(&args, "tp.jsonl:2: \"top_p\" must be in (0, 1]");
+    let o = run(&["--skip-invalid"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let recs = records(&out);
+    assert_eq!(recs.len(), 4, "{recs:?}");
+    let line2 = recs.iter().find(|r| r["line"] == 2).unwrap();
+    assert_eq!(line2["finish_reason"], "error");
+    assert!(
+        line2["error"].as_str().unwrap().contains("\"top_p\""),
+        "{line2}"
+    );
+    // Lines 2 and 3 fixed, line 4 left broken.
+    std::fs::write(
+        &input,
+        format!(
+            "{a}\n{{\"id\": \"b\", \"prompt\": \"One, two,\", \"top_p\": 0.5}}\n\
+             {{\"id\": \"c\", \"prompt\": \"Red, green,\"}}\n{still_broken}\n"
+        ),
+    )
+    .unwrap();
+    let o = run(&["--resume", "--skip-invalid"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let recs = records(&out);
+    let answered = |id: &str| {
+        recs.iter()
+            .filter(|r| r["id"] == id && r["finish_reason"] != "error")
+            .count()
+    };
+    assert_eq!(
+        (answered("a"), answered("b"), answered("c")),
+        (1, 1, 1),
+        "{recs:?}"
+    );
+    let line4 = recs.iter().filter(|r| r["line"] == 4).count();
+    assert_eq!(
+        line4, 1,
+        "an unchanged broken line is reported once: {recs:?}"
+    );
+    assert_eq!(recs.len(), 6, "{recs:?}");
+}
+
+#[test]
+fn batch_output_is_never_an_input_and_force_waits_for_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = two_prompts(dir.path());
+    let before_input = std::fs::read(&input).unwrap();
+    // A copy of the default model in a KVQ_HOME of its own.
+    let home = dir.path().join("home");
+    std::fs::create_dir(&home).unwrap();
+    let model = home.join(kvq::model::fetch::DEFAULT_MODEL_FILE);
+    std::fs::copy(default_model(), &model).unwrap();
+    let model_len = std::fs::metadata(&model).unwrap().len();
+    let hard = dir.path().join("hard.gguf");
+    std::fs::hard_link(&model, &hard).unwrap();
+    let batch = |out: &Path, extra: &[&str]| {
+        let mut a = vec!["batch-generate", s(&input), "-o", s(out)];
+        a.extend(extra);
+        a.extend(QUICK);
+        kvq(&a)
+    };
+    for out in [&model, &hard] {
+        for mode in ["--force", "--resume"] {
+            let o = batch(out, &["--model", s(&model), mode]);
+            assert_fails_with(&o, &format!("{out:?} {mode}"), "is the model file");
+        }
+    }
+    assert_eq!(std::fs::metadata(&model).unwrap().len(), model_len);
+    let o = batch(&input, &["--force"]);
+    assert_fails_with(&o, "input as output", "is the input file");
+    assert_eq!(std::fs::read(&input).unwrap(), before_input);
+    // The files of a model directory.
+    let tiny = dir.path().join("tiny");
+    std::fs::create_dir(&tiny).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixture("hub/tiny-llama").join(f), tiny.join(f)).unwrap();
+    }
+    for f in ["model.safetensors", "tokenizer.json"] {
+        let before = std::fs::read(tiny.join(f)).unwrap();
+        let o = batch(&tiny.join(f), &["--model", s(&tiny), "--force"]);
+        assert_fails_with(&o, f, "is the model file");
+        assert_eq!(std::fs::read(tiny.join(f)).unwrap(), before);
+    }
+    // The default model, known only once loaded: checked after loading, before the run starts.
+    let mut a = vec!["batch-generate", s(&input), "-o", s(&hard), "--force"];
+    a.extend(QUICK);
+    let o = Command::new(env!("CARGO_BIN_EXE_kvq"))
+        .args(&a)
+        .env("KVQ_HOME", &home)
+        .output()
+        .unwrap();
+    assert_fails_with(&o, "default model as output", "is the model file");
+    assert_eq!(std::fs::metadata(&model).unwrap().len(), model_len);
+
+    // --force keeps the old output until the run is under way: a line refused after the model
+    // has loaded leaves it as it was.
+    let out = dir.path().join("results.jsonl");
+    let old = "{\"id\":\"x\",\"text\":\"hours of work\",\"finish_reason\":\"stop\"}\n";
+    std::fs::write(&out, old).unwrap();
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"id\": \"a\", \"prompt\": \"hi\", \"max_tokens\": 0}\n",
+    )
+    .unwrap();
+    let mut a = vec!["batch-generate", s(&bad), "-o", s(&out), "--force"];
+    a.extend(QUICK);
+    assert_fails_with(&kvq(&a), "max_tokens 0", "bad.jsonl:1");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), old);
+    let o = batch(&out, &["--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(records(&out).len(), 2);
+}
+
+#[test]
+fn save_prompt_cache_refuses_a_hard_link_to_the_model_and_a_fifo() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    std::fs::copy(default_model(), &model).unwrap();
+    let hard = dir.path().join("cache.safetensors");
+    std::fs::hard_link(&model, &hard).unwrap();
+    let fifo = dir.path().join("fifo.safetensors");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    for (path, needle) in [(&hard, "is the model file"), (&fifo, "is a FIFO")] {
+        let o = kvq_within(
+            &[
+                "generate",
+                "--model",
+                s(&model),
+                "--raw",
+                "--max-tokens",
+                "1",
+                "--force",
+                "--save-prompt-cache",
+                s(path),
+                "The capital of France is",
+            ],
+            120,
+        );
+        assert_fails_with(&o, needle, needle);
+    }
+    assert_eq!(
+        std::fs::read(&model).unwrap(),
+        std::fs::read(default_model()).unwrap()
+    );
+}

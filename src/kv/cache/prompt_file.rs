@@ -160,9 +160,10 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    let bytes =
+    let mut bytes =
         safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(header))
             .map_err(|e| fail(e.to_string()))?;
+    sort_header(&mut bytes).map_err(fail)?;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".kvq-{}.tmp", std::process::id()));
     let tmp = PathBuf::from(tmp);
@@ -179,6 +180,40 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
         let _ = std::fs::remove_file(&tmp);
         return Err(fail(e.to_string()));
     }
+    Ok(())
+}
+
+/// safetensors writes the header's metadata in hash-map order, which differs from run to run:
+/// rewritten with every object's keys sorted (the same length, padded as safetensors pads it,
+/// so the data offsets hold), the same cache is saved as the same bytes.
+fn sort_header(bytes: &mut [u8]) -> std::result::Result<(), String> {
+    use serde_json::Value;
+    fn sorted(v: Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut entries: Vec<(String, Value)> = m.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+            }
+            other => other,
+        }
+    }
+    let len = bytes
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or("no safetensors header length")?;
+    let header = bytes
+        .get_mut(8..8usize.saturating_add(len))
+        .ok_or("the safetensors header runs past the data")?;
+    let v: Value = serde_json::from_slice(header).map_err(|e| e.to_string())?;
+    let mut text = serde_json::to_vec(&sorted(v)).map_err(|e| e.to_string())?;
+    if text.len() > header.len() {
+        return Err("the sorted header is longer than safetensors' own".into());
+    }
+    text.resize(header.len(), b' ');
+    header.copy_from_slice(&text);
     Ok(())
 }
 

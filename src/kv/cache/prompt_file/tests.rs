@@ -180,3 +180,20 @@ fn reuse_is_the_common_prefix_short_of_the_last_two_tokens() {
     assert_eq!(reusable_prefix(&[1, 2, 3], &[7, 2, 5]), 0);
     assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2]), 0);
 }
+
+#[test]
+fn the_same_cache_is_saved_as_the_same_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = cache_with(q4(), 4).export_rows(0).unwrap();
+    let saved: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            let p = dir.path().join(format!("p{i}.safetensors"));
+            save(&p, &meta(q4(), 4), &rows).unwrap();
+            std::fs::read(&p).unwrap()
+        })
+        .collect();
+    for s in &saved[1..] {
+        assert!(s == &saved[0], "the header's order changed between saves");
+    }
+    PromptCacheFile::open(&dir.path().join("p3.safetensors")).unwrap();
+}

@@ -49,8 +49,16 @@ pub fn required_prefix(case: &serde_json::Value) -> Vec<u32> {
     want[..first_fragile.min(want.len())].to_vec()
 }
 
+/// The kvq binary to test: `KVQ_TEST_BIN` when set (a copy kept apart from a target directory
+/// that other builds may overwrite while the tests run), else the one cargo built.
+pub fn kvq_bin() -> PathBuf {
+    std::env::var_os("KVQ_TEST_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kvq")))
+}
+
 pub fn kvq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvq"))
+    Command::new(kvq_bin())
         .args(args)
         .output()
         .expect("kvq runs")

@@ -1,6 +1,6 @@
 """Drives kvq serve with the official openai client; prints one JSON line of what it got.
 
-Used by tests/serve_openai.rs. Usage: openai_client_check.py --base-url URL/v1 --api-key KEY
+Used by tests/it/serve_openai.rs. Usage: openai_client_check.py --base-url URL/v1 --api-key KEY
 """
 import argparse
 import json
@@ -43,6 +43,11 @@ comp_parts = [
     if c.choices
 ]
 
+# kvq's extension through the client's extra_body: no stop at the end-of-sequence token.
+fixed = client.completions.create(
+    model=model, prompt="The capital of France is", max_tokens=24, extra_body={"ignore_eos": True}
+)
+
 
 def status_of(call):
     try:
@@ -61,6 +66,8 @@ print(
             "chat_stream": "".join(parts),
             "completion": comp.choices[0].text,
             "completion_stream": "".join(comp_parts),
+            "ignore_eos_tokens": fixed.usage.completion_tokens,
+            "ignore_eos_finish": fixed.choices[0].finish_reason,
             "bad_key_status": status_of(lambda: bad_key.models.list()),
             "bad_model_status": status_of(
                 lambda: client.chat.completions.create(

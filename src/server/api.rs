@@ -1,8 +1,10 @@
-//! The OpenAI wire format: request bodies checked field by field (so a bad request gets a 400
-//! naming the field, not a serde message), and the response / stream-chunk objects.
+//! OpenAI request bodies, checked field by field (so a bad request gets a 400 naming the field,
+//! not a serde message), and the error body; the answers are in [`super::response`].
 //!
 //! Only what kvq can honour is accepted: `n` must be 1; unknown fields are ignored, as OpenAI's
-//! own clients send several (`user`, `logprobs: false`, ...).
+//! own clients send several (`user`, `logprobs: false`, ...). One kvq extension: `ignore_eos`
+//! (as vLLM names it) keeps generating past the end-of-sequence token, so a benchmark gets
+//! exactly `max_tokens` tokens per request.
 
 // Data here comes from files, HTTP bodies and the command line: no unwrap, expect or indexing
 // that could panic on it (issue 21; clippy enforces it in CI).
@@ -15,7 +17,6 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::engine::request::FinishReason;
 use crate::engine::sampler::SamplingParams;
 use crate::model::chat::Message;
 
@@ -104,6 +105,9 @@ pub struct CompletionRequest {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carrying `usage`.
     pub stream_usage: bool,
+    /// kvq extension: the end-of-sequence token does not end the request (stop strings and
+    /// `max_tokens` still do).
+    pub ignore_eos: bool,
 }
 
 /// Parses and checks a request body for `endpoint`, served under the name `model`.
@@ -203,6 +207,7 @@ pub fn parse_request(
         return Err(ApiError::invalid("stop", "stop strings must not be empty"));
     }
     let stream = boolean(&o, "stream")?.unwrap_or(false);
+    let ignore_eos = boolean(&o, "ignore_eos")?.unwrap_or(false);
     let stream_usage = match o.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(so)) => boolean(so, "include_usage")
@@ -230,6 +235,7 @@ pub fn parse_request(
         stop,
         stream,
         stream_usage,
+        ignore_eos,
     })
 }
 
@@ -363,126 +369,6 @@ fn boolean(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> 
     }
 }
 
-/// Token counts of a finished request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    /// Prompt tokens whose K/V came from the prefix cache instead of a prefill.
-    pub cached_tokens: usize,
-}
-
-impl Usage {
-    pub fn json(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": { "cached_tokens": self.cached_tokens },
-        })
-    }
-}
-
-/// OpenAI's finish_reason (a cancelled request has no reader left to see one).
-pub fn finish_reason(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Cancelled => "cancelled",
-        FinishReason::Error => "error",
-    }
-}
-
-/// Identity of one response: its id, creation time and the model name.
-#[derive(Debug, Clone)]
-pub struct ResponseMeta {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-    pub endpoint: Endpoint,
-}
-
-impl ResponseMeta {
-    /// The whole (non-streamed) response.
-    pub fn complete(&self, text: &str, finish: FinishReason, usage: Usage) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": { "role": "assistant", "content": text },
-                "logprobs": Value::Null,
-                "finish_reason": finish_reason(finish),
-            }),
-            Endpoint::Completions => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": Value::Null,
-                "finish_reason": finish_reason(finish),
-            }),
-        };
-        json!({
-            "id": self.id,
-            "object": match self.endpoint {
-                Endpoint::Chat => "chat.completion",
-                Endpoint::Completions => "text_completion",
-            },
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage.json(),
-        })
-    }
-
-    /// One stream chunk: `text` (the first chat chunk also carries the role) and, in the last
-    /// one, the finish reason.
-    pub fn chunk(&self, text: Option<&str>, first: bool, finish: Option<FinishReason>) -> Value {
-        let finish = finish.map(finish_reason);
-        let choice = match self.endpoint {
-            Endpoint::Chat => {
-                let mut delta = Map::new();
-                if first {
-                    delta.insert("role".into(), "assistant".into());
-                }
-                if let Some(t) = text {
-                    delta.insert("content".into(), t.into());
-                }
-                json!({ "index": 0, "delta": delta, "logprobs": Value::Null, "finish_reason": finish })
-            }
-            Endpoint::Completions => json!({
-                "index": 0,
-                "text": text.unwrap_or(""),
-                "logprobs": Value::Null,
-                "finish_reason": finish,
-            }),
-        };
-        json!({
-            "id": self.id,
-            "object": self.chunk_object(),
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
-    }
-
-    /// The usage chunk of `stream_options.include_usage`: no choices.
-    pub fn usage_chunk(&self, usage: Usage) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.chunk_object(),
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage.json(),
-        })
-    }
-
-    fn chunk_object(&self) -> &'static str {
-        match self.endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completions => "text_completion",
-        }
-    }
-}
-
 #[cfg(test)]
 #[allow(
     clippy::unwrap_used,
@@ -523,12 +409,15 @@ mod tests {
         assert_eq!(r.max_tokens, 3);
         assert_eq!(r.stop, vec!["x".to_string()]);
         assert!(r.stream && r.stream_usage);
+        assert!(!r.ignore_eos);
         let d = parse(r#"{"prompt":"abc"}"#, Endpoint::Completions).unwrap();
         assert_eq!(d.prompt, Prompt::Text("abc".into()));
         assert_eq!(d.max_tokens, 16);
         assert!(!d.stream);
         let t = parse(r#"{"prompt":[1,2,3]}"#, Endpoint::Completions).unwrap();
         assert_eq!(t.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        let e = parse(r#"{"prompt":"a","ignore_eos":true}"#, Endpoint::Completions).unwrap();
+        assert!(e.ignore_eos);
     }
 
     #[test]
@@ -586,6 +475,11 @@ mod tests {
                 Endpoint::Completions,
                 Some("top_p"),
             ),
+            (
+                r#"{"prompt":"a","ignore_eos":1}"#,
+                Endpoint::Completions,
+                Some("ignore_eos"),
+            ),
         ];
         for (body, ep, param) in cases {
             let e = parse(body, ep).expect_err(body);
@@ -593,31 +487,5 @@ mod tests {
             assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
             assert_eq!(e.body()["error"]["param"], json!(param), "{body}");
         }
-    }
-
-    #[test]
-    fn responses_have_openai_shapes() {
-        let meta = ResponseMeta {
-            id: "chatcmpl-1".into(),
-            created: 5,
-            model: "m".into(),
-            endpoint: Endpoint::Chat,
-        };
-        let usage = Usage {
-            prompt_tokens: 4,
-            completion_tokens: 2,
-            cached_tokens: 1,
-        };
-        let v = meta.complete("hi", FinishReason::Stop, usage);
-        assert_eq!(v["choices"][0]["message"]["content"], "hi");
-        assert_eq!(v["choices"][0]["finish_reason"], "stop");
-        assert_eq!(v["usage"]["total_tokens"], 6);
-        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
-        let c = meta.chunk(Some("a"), true, None);
-        assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
-        assert_eq!(c["choices"][0]["finish_reason"], Value::Null);
-        let last = meta.chunk(None, false, Some(FinishReason::Length));
-        assert_eq!(last["choices"][0]["delta"], json!({}));
-        assert_eq!(last["choices"][0]["finish_reason"], "length");
     }
 }

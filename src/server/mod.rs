@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod metrics;
+pub mod response;
 pub mod routes;
 pub mod worker;
 
@@ -84,8 +85,9 @@ pub fn serve(opts: ServeOptions, load: Loader) -> Result<()> {
                     return;
                 }
             };
-            let _ = ready_tx.send(Ok(()));
-            worker::run(&m, engine, jobs_rx, &m2, &o2);
+            worker::run(&m, engine, jobs_rx, &m2, &o2, move || {
+                let _ = ready_tx.send(Ok(()));
+            });
         })
         .context("cannot start the engine thread")?;
     ready_rx

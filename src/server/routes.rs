@@ -31,8 +31,9 @@ use futures_util::stream::{self, Stream};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use super::api::{parse_request, ApiError, Defaults, Endpoint, ResponseMeta, Usage};
+use super::api::{parse_request, ApiError, Defaults, Endpoint};
 use super::metrics::Metrics;
+use super::response::{ResponseMeta, Usage};
 use super::worker::{Job, Outstanding, Update};
 
 /// What every handler shares.
@@ -176,6 +177,7 @@ async fn try_complete(
         params: req.params,
         max_tokens: req.max_tokens,
         stop: req.stop,
+        ignore_eos: req.ignore_eos,
         updates: tx,
     };
     let sent = st

@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::{ApiError, Prompt, Usage};
+use super::api::{ApiError, Prompt};
 use super::metrics::{Metrics, PoolBlocks};
+use super::response::Usage;
 use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::Engine;
@@ -29,6 +30,8 @@ pub struct Job {
     pub params: SamplingParams,
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    /// Generate past the end-of-sequence token (`ignore_eos`, a benchmark's fixed lengths).
+    pub ignore_eos: bool,
     /// Where its updates go; dropping the receiver cancels the job.
     pub updates: UnboundedSender<Update>,
 }
@@ -73,18 +76,22 @@ struct Live<'t> {
     usage: Usage,
 }
 
-/// Runs the engine until the job channel closes (the server stopped).
+/// Runs the engine until the job channel closes (the server stopped). `ready` is called once
+/// `/metrics` has the pools, before the first job is taken.
 pub fn run(
     m: &LoadedModel,
     mut engine: Engine<'_>,
     jobs: Receiver<Job>,
     metrics: &Metrics,
     outstanding: &Outstanding,
+    ready: impl FnOnce(),
 ) {
     let window = m.model.config().max_position_embeddings;
     let mut live: HashMap<SeqId, Live<'_>> = HashMap::new();
     let mut rate = Rate::default();
     let pools = pool_labels(&engine);
+    publish(&engine, &pools, &rate, metrics);
+    ready();
     loop {
         // 1. New jobs: block only when there is nothing else to do.
         let mut arrived = Vec::new();
@@ -115,9 +122,9 @@ pub fn run(
                     metrics.update(|s| s.prompt_tokens += prompt_tokens as u64);
                 }
                 Err(e) => {
-                    let _ = job.updates.send(Update::Rejected(e));
-                    outstanding.release();
                     metrics.update(|s| s.requests_rejected += 1);
+                    outstanding.release();
+                    let _ = job.updates.send(Update::Rejected(e));
                 }
             }
         }
@@ -138,8 +145,15 @@ pub fn run(
         if engine.has_work() {
             match engine.step() {
                 Ok(events) => {
-                    let n = forward(&mut engine, &mut live, events, metrics, outstanding);
+                    // Metrics first: a client that hears its request ended finds it counted.
+                    let n = events
+                        .iter()
+                        .filter(|e| matches!(e, Event::Token { .. }))
+                        .count();
                     rate.add(n);
+                    metrics.update(|s| s.generated_tokens += n as u64);
+                    publish(&engine, &pools, &rate, metrics);
+                    forward(&mut engine, &mut live, events, metrics, outstanding);
                 }
                 Err(e) => {
                     // A fault of the engine ends the requests in flight, not the server.
@@ -153,34 +167,7 @@ pub fn run(
                 }
             }
         }
-        let cache = engine.cache();
-        let free = cache.free_blocks();
-        let cached = cache.group_prefix_cached();
-        let staging = cache.group_staging_blocks();
-        metrics.update(|s| {
-            s.running = engine.num_running();
-            s.waiting = engine.num_waiting();
-            s.tokens_per_second = rate.per_second();
-            s.prefix_cache_hits = engine.stats().prefix_hits as u64;
-            s.prefix_cache_tokens = engine.stats().prefix_tokens as u64;
-            s.pools = pools
-                .iter()
-                .map(|p| {
-                    let (free, cached) = if p.staging {
-                        (staging.get(p.group).map_or(0, |s| s.0), 0)
-                    } else {
-                        (free.get(p.group), cached.get(p.group).copied().unwrap_or(0))
-                    };
-                    PoolBlocks {
-                        pool: p.name.clone(),
-                        format: p.format.clone(),
-                        free,
-                        total: p.total,
-                        cached,
-                    }
-                })
-                .collect();
-        });
+        publish(&engine, &pools, &rate, metrics);
     }
 }
 
@@ -224,7 +211,11 @@ fn admit(
         prompt,
         params: job.params.clone(),
         max_tokens: job.max_tokens,
-        eos: m.tokenizer.eos_token_ids().to_vec(),
+        eos: if job.ignore_eos {
+            Vec::new()
+        } else {
+            m.tokenizer.eos_token_ids().to_vec()
+        },
     };
     // What remains refused here is a request too big for the whole KV budget.
     let id = engine
@@ -233,20 +224,18 @@ fn admit(
     Ok((id, n))
 }
 
-/// Sends a step's tokens to their jobs as text; returns the tokens generated.
+/// Sends a step's tokens to their jobs as text.
 fn forward<'t>(
     engine: &mut Engine<'_>,
     live: &mut HashMap<SeqId, Live<'t>>,
     events: Vec<Event>,
     metrics: &Metrics,
     outstanding: &Outstanding,
-) -> usize {
-    let mut generated = 0;
+) {
     let mut ended: Vec<(SeqId, FinishReason)> = Vec::new();
     for ev in events {
         match ev {
             Event::Token { id, token } => {
-                generated += 1;
                 let Some(l) = live.get_mut(&id) else {
                     continue;
                 };
@@ -280,6 +269,8 @@ fn forward<'t>(
         };
         let mut usage = l.usage;
         usage.cached_tokens = engine.take_reused_tokens(id);
+        outstanding.release();
+        metrics.update(|s| s.requests_finished += 1);
         let updates = l.updates;
         match l.text.finish() {
             Ok(full) => {
@@ -293,11 +284,39 @@ fn forward<'t>(
                 let _ = updates.send(Update::Failed(one_line(&e)));
             }
         }
-        outstanding.release();
-        metrics.update(|s| s.requests_finished += 1);
     }
-    metrics.update(|s| s.generated_tokens += generated as u64);
-    generated
+}
+
+/// Refreshes the `/metrics` snapshot from the engine.
+fn publish(engine: &Engine<'_>, pools: &[PoolLabel], rate: &Rate, metrics: &Metrics) {
+    let cache = engine.cache();
+    let free = cache.free_blocks();
+    let cached = cache.group_prefix_cached();
+    let staging = cache.group_staging_blocks();
+    metrics.update(|s| {
+        s.running = engine.num_running();
+        s.waiting = engine.num_waiting();
+        s.tokens_per_second = rate.per_second();
+        s.prefix_cache_hits = engine.stats().prefix_hits as u64;
+        s.prefix_cache_tokens = engine.stats().prefix_tokens as u64;
+        s.pools = pools
+            .iter()
+            .map(|p| {
+                let (free, cached) = if p.staging {
+                    (staging.get(p.group).map_or(0, |s| s.0), 0)
+                } else {
+                    (free.get(p.group), cached.get(p.group).copied().unwrap_or(0))
+                };
+                PoolBlocks {
+                    pool: p.name.clone(),
+                    format: p.format.clone(),
+                    free,
+                    total: p.total,
+                    cached,
+                }
+            })
+            .collect();
+    });
 }
 
 /// One pool as `/metrics` labels it.
@@ -368,7 +387,7 @@ fn one_line(e: &anyhow::Error) -> String {
         .to_string()
 }
 
-/// Generated tokens per second over a sliding 10-second window.
+/// Generated tokens per second over a sliding 10-second window (0 after 10 idle seconds).
 #[derive(Default)]
 struct Rate {
     steps: VecDeque<(Instant, usize)>,
@@ -378,7 +397,10 @@ impl Rate {
     const SPAN: Duration = Duration::from_secs(10);
 
     fn add(&mut self, n: usize) {
-        let now = Instant::now();
+        self.add_at(Instant::now(), n);
+    }
+
+    fn add_at(&mut self, now: Instant, n: usize) {
         self.steps.push_back((now, n));
         while self
             .steps
@@ -390,10 +412,44 @@ impl Rate {
     }
 
     fn per_second(&self) -> f64 {
-        let Some((first, _)) = self.steps.front() else {
+        self.per_second_at(Instant::now())
+    }
+
+    /// Tokens of the steps at most SPAN before `now`, over the time since the first of them
+    /// (at least a second, so one step alone does not read as a burst).
+    fn per_second_at(&self, now: Instant) -> f64 {
+        let recent = || {
+            self.steps
+                .iter()
+                .filter(move |(t, _)| now.duration_since(*t) <= Self::SPAN)
+        };
+        let Some((first, _)) = recent().next() else {
             return 0.0;
         };
-        let span = first.elapsed().as_secs_f64().max(1.0);
-        self.steps.iter().map(|(_, n)| n).sum::<usize>() as f64 / span
+        let span = now.duration_since(*first).as_secs_f64().max(1.0);
+        recent().map(|(_, n)| n).sum::<usize>() as f64 / span
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_counts_the_last_ten_seconds_only() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut r = Rate::default();
+        assert_eq!(r.per_second_at(t0), 0.0);
+        r.add_at(at(0), 100);
+        assert_eq!(r.per_second_at(at(0)), 100.0); // one step: over a second
+        r.add_at(at(1), 100);
+        r.add_at(at(4), 200);
+        assert_eq!(r.per_second_at(at(4)), 100.0); // 400 tokens in 4 s
+        assert_eq!(r.per_second_at(at(11)), 30.0); // the first step has left
+        assert_eq!(r.per_second_at(at(15)), 0.0); // idle
+        r.add_at(at(30), 50);
+        assert_eq!(r.steps.len(), 1);
+        assert_eq!(r.per_second_at(at(32)), 25.0);
     }
 }

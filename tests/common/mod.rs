@@ -49,10 +49,12 @@ pub fn required_prefix(case: &serde_json::Value) -> Vec<u32> {
     want[..first_fragile.min(want.len())].to_vec()
 }
 
-/// The kvq binary under test: `KVQ_BIN` if set (a test binary carried to another machine
-/// with its kvq), else the one cargo built beside the tests.
+/// The kvq binary under test: `KVQ_BIN` (or `KVQ_TEST_BIN`) when set (a copy kept apart from
+/// a target directory other builds may overwrite, or carried to another machine with its
+/// tests), else the one cargo built beside the tests.
 pub fn kvq_bin() -> PathBuf {
     std::env::var_os("KVQ_BIN")
+        .or_else(|| std::env::var_os("KVQ_TEST_BIN"))
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kvq")))
 }

@@ -40,7 +40,7 @@ impl Server {
                 base.push(*f);
             }
         }
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvq"))
+        let mut child = Command::new(super::kvq_bin())
             .args(["serve", "--host", "127.0.0.1", "--port", "0"])
             .args(&base)
             .args(extra)
@@ -103,28 +103,7 @@ impl Server {
             .set("Content-Type", "application/json")
             .send_string(&body.to_string())
             .unwrap_or_else(|e| panic!("POST {path} (stream): {e}"));
-        assert_eq!(r.status(), 200);
-        assert!(
-            r.content_type().starts_with("text/event-stream"),
-            "{}",
-            r.content_type()
-        );
-        let mut chunks = Vec::new();
-        let mut done = false;
-        for line in BufReader::new(r.into_reader()).lines() {
-            let line = line.unwrap();
-            let Some(data) = line.strip_prefix("data: ") else {
-                continue;
-            };
-            assert!(!done, "data after [DONE]: {data}");
-            if data == "[DONE]" {
-                done = true;
-            } else {
-                chunks.push(serde_json::from_str(data).expect("chunk is JSON"));
-            }
-        }
-        assert!(done, "the stream did not end with [DONE]");
-        chunks
+        read_stream(r)
     }
 
     /// Starts a stream, reads its first `data:` line, and hangs up (a client going away).
@@ -133,12 +112,42 @@ impl Server {
             .set("Content-Type", "application/json")
             .send_string(&body.to_string())
             .unwrap_or_else(|e| panic!("POST {path} (stream): {e}"));
-        let mut reader = BufReader::new(r.into_reader());
-        let mut line = String::new();
-        while reader.read_line(&mut line).unwrap() > 0 && !line.starts_with("data: ") {
-            line.clear();
+        hang_up(r);
+    }
+
+    /// POSTs `body`; a 429 is retried after its Retry-After (which must be a whole number of
+    /// seconds, with a `rate_limit_error` body) until `give_up` has passed. Returns the response
+    /// or the last error status and body, and how many 429s came.
+    pub fn post_retrying(
+        &self,
+        path: &str,
+        body: &str,
+        give_up: Duration,
+    ) -> (Result<ureq::Response, (u16, String)>, usize) {
+        let t0 = Instant::now();
+        let mut refused = 0;
+        loop {
+            let r = ureq::post(&self.url(path))
+                .set("Content-Type", "application/json")
+                .send_string(body);
+            match r {
+                Err(ureq::Error::Status(429, r)) if t0.elapsed() < give_up => {
+                    let wait: u64 = r
+                        .header("Retry-After")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or_else(|| panic!("429 without Retry-After seconds"));
+                    let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+                    assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+                    refused += 1;
+                    std::thread::sleep(Duration::from_secs(wait));
+                }
+                Ok(r) => return (Ok(r), refused),
+                Err(ureq::Error::Status(code, r)) => {
+                    return (Err((code, r.into_string().unwrap())), refused)
+                }
+                Err(e) => panic!("POST {path}: {e}"),
+            }
         }
-        drop(reader); // closes the connection mid-stream
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {
@@ -227,6 +236,43 @@ pub fn stream_text(chunks: &[Value]) -> (String, String) {
         }
     }
     (text, finish)
+}
+
+/// The chunks of a streamed response read to its end (every `data:` line but `[DONE]`, which
+/// must come last).
+pub fn read_stream(r: ureq::Response) -> Vec<Value> {
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.content_type().starts_with("text/event-stream"),
+        "{}",
+        r.content_type()
+    );
+    let mut chunks = Vec::new();
+    let mut done = false;
+    for line in BufReader::new(r.into_reader()).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        assert!(!done, "data after [DONE]: {data}");
+        if data == "[DONE]" {
+            done = true;
+        } else {
+            chunks.push(serde_json::from_str(data).expect("chunk is JSON"));
+        }
+    }
+    assert!(done, "the stream did not end with [DONE]");
+    chunks
+}
+
+/// Reads a streamed response up to its first `data:` line and closes the connection.
+pub fn hang_up(r: ureq::Response) {
+    let mut reader = BufReader::new(r.into_reader());
+    let mut line = String::new();
+    while reader.read_line(&mut line).unwrap() > 0 && !line.starts_with("data: ") {
+        line.clear();
+    }
+    drop(reader); // closes the connection mid-stream
 }
 
 /// Reads all of `r` (for bodies of error responses).

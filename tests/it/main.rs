@@ -39,4 +39,5 @@ mod serve_api;
 mod serve_load;
 mod serve_openai;
 mod serve_prefix;
+mod serve_sampling;
 mod text_tokenizer;

@@ -81,3 +81,54 @@ fn shared_prefix_reuse_dense() {
 fn shared_prefix_reuse_kv4() {
     shared_prefix_reuse(&["--kv-bits", "4"]);
 }
+
+/// A pool too small to keep every prompt: cached prefixes are evicted least recently used, the
+/// deepest blocks of a chain first, and every request is still answered with the text it got
+/// before (evicted blocks are never handed out as cached rows).
+#[test]
+fn cached_prefixes_are_evicted_lru_under_pressure() {
+    let s = Server::start(&["--kv-memory", "30M"]);
+    let total = s.main_pool("kvq_kv_blocks_total") as usize;
+    assert!(total >= 12, "{total} blocks");
+    // Prompts of whole blocks plus 8 tokens: with 8 answer tokens each takes one more block.
+    let k = total / 4;
+    let k_c = total - k - 1;
+    let prompt = |at: usize, blocks: usize| corpus_ids(at, blocks * 16 + 8);
+    let (a, b, c) = (prompt(0, k), prompt(20_000, k), prompt(40_000, k_c));
+    let cached = |u: &Value| {
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap() as usize
+    };
+    let parked = || s.main_pool("kvq_kv_blocks_prefix_cached") as usize;
+
+    let (text_a, u) = complete(&s, &a);
+    assert_eq!(cached(&u), 0);
+    let (text_b, u) = complete(&s, &b);
+    assert_eq!(cached(&u), 0);
+    assert_eq!(parked(), 2 * k, "both prompts' whole blocks stay");
+    // a again: reused whole, and now more recent than b.
+    let (t, u) = complete(&s, &a);
+    assert_eq!((t.as_str(), cached(&u)), (text_a.as_str(), 16 * k));
+    // c needs every block but a's: all of b's are evicted, none of a's.
+    let (text_c, u) = complete(&s, &c);
+    assert_eq!(cached(&u), 0);
+    assert_eq!(parked(), k + k_c);
+    let (t, u) = complete(&s, &a);
+    assert_eq!(
+        (t.as_str(), cached(&u)),
+        (text_a.as_str(), 16 * k),
+        "a survived"
+    );
+    let (t, u) = complete(&s, &b);
+    assert_eq!(
+        (t.as_str(), cached(&u)),
+        (text_b.as_str(), 0),
+        "b was evicted"
+    );
+    // b took k blocks from the least recently used chain, c, from its end: c keeps its head.
+    let (t, u) = complete(&s, &c);
+    assert_eq!((t.as_str(), cached(&u)), (text_c.as_str(), 16 * (k_c - k)));
+    assert_eq!(s.metric("kvq_prefix_cache_hits_total"), 3.0);
+    s.assert_no_leak();
+}

@@ -49,6 +49,9 @@ pub struct Row {
     pub kv_bytes: usize,
     /// Highest device memory in use seen after any step (the whole GPU; `None` on the CPU).
     pub peak_device_bytes: Option<u64>,
+    /// Kernels per replayed decode step (one CUDA graph launch each), counted from the graph;
+    /// `None` where decode steps ran op by op.
+    pub graph_kernels: Option<usize>,
 }
 
 /// Every (pp, tg, pl) combination, in llama-batched-bench's order (pp, then tg, then pl).
@@ -165,6 +168,7 @@ pub fn run_shape(
         decode_steps,
         kv_bytes,
         peak_device_bytes: peak,
+        graph_kernels: engine.stats().graph_kernels,
     })
 }
 

@@ -157,12 +157,15 @@ pub struct ModelArgs {
     /// Load GGUF weights as dense --dtype tensors instead of keeping them in their blocks (with
     /// --dtype f32: the exact float math the transformers references use). On the CPU the
     /// default keeps the blocks and multiplies them with kvq's own kernels, which compute the
-    /// same f32 product (same summation order) at a sixth of the bytes.
+    /// same f32 product (same summation order) at a sixth of the bytes. On a CUDA GPU the
+    /// default dequantizes whenever the dense weights take at most a quarter of the free device
+    /// memory (batched decode then runs on tensor cores); --keep-quantized keeps the blocks.
     #[arg(long, conflicts_with = "keep_quantized")]
     pub dequantize: bool,
 
     /// Multiply GGUF weights with candle's quantized matmul (activations rounded to 8-bit
-    /// blocks, as on GPUs) instead of kvq's exact CPU block kernels.
+    /// blocks) instead of kvq's exact CPU block kernels, or on a GPU instead of dequantizing
+    /// them (less device memory; faster for one sequence, slower for batches).
     #[arg(long)]
     pub keep_quantized: bool,
 

@@ -162,7 +162,21 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
         });
         super::print_out(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
     } else {
-        super::print_out(&format!("{}\n{COLUMNS_NOTE}.\n", table(&rows, peak_rss)))?;
+        let graphs: String = rows
+            .iter()
+            .filter_map(|r| {
+                r.graph_kernels.map(|k| {
+                    format!(
+                        "PP {} B {}: {k} kernels per decode step, replayed as one CUDA graph.\n",
+                        r.shape.pp, r.shape.pl
+                    )
+                })
+            })
+            .collect();
+        super::print_out(&format!(
+            "{}\n{COLUMNS_NOTE}.\n{graphs}",
+            table(&rows, peak_rss)
+        ))?;
     }
     Ok(())
 }

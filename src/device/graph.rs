@@ -74,6 +74,35 @@ pub fn capture<T>(dev: &Device, f: impl FnOnce() -> Result<T>) -> Result<(CudaGr
     Ok((graph, out))
 }
 
+/// Kernel nodes in `g`: the kernels one replay launches (counted from the graph itself, for
+/// `bench-batch`'s launches-per-step figure).
+pub fn kernel_nodes(g: &CudaGraph) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let graph = g.cu_graph();
+    let mut n: usize = 0;
+    // SAFETY: `graph` is alive while `g` is; a null node array asks for the count only.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+        .result()
+        .w()?;
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` has room for the `n` nodes just counted.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
+        .result()
+        .w()?;
+    let mut kernels = 0;
+    for node in nodes.into_iter().take(n) {
+        let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to `graph`.
+        unsafe { sys::cuGraphNodeGetType(node, &mut ty) }
+            .result()
+            .w()?;
+        if ty == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            kernels += 1;
+        }
+    }
+    Ok(kernels)
+}
+
 /// Replays `g` on its stream (asynchronous, like any launch).
 pub fn replay(g: &CudaGraph) -> Result<()> {
     g.launch().w()

@@ -39,6 +39,18 @@ pub fn available_memory_bytes() -> usize {
     available_memory().map_or(4 << 30, |b| b as usize)
 }
 
+/// Device memory free on `dev` right now, where the device can tell: CUDA only.
+pub fn free_bytes(dev: &Device) -> Option<u64> {
+    match dev {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let (free, _) = d.cuda_stream().context().mem_get_info().ok()?;
+            Some(free as u64)
+        }
+        _ => None,
+    }
+}
+
 /// Device memory in use on `dev` right now (the whole GPU: this process's allocations, its
 /// context and any other process's), where the device can tell: CUDA only.
 pub fn used_bytes(dev: &Device) -> Option<u64> {

@@ -20,7 +20,7 @@ use candle_core::{DType, Tensor};
 use std::collections::HashMap;
 
 use super::device_greedy::{argmax_into, picks_of};
-use crate::device::graph::{capture, replay};
+use crate::device::graph::{capture, kernel_nodes, replay};
 use crate::kv::attend::FixedStep;
 use crate::kv::cache::PagedKvCache;
 use crate::kv::format::LayerKv;
@@ -60,6 +60,8 @@ pub struct DecodeGraphs {
     warmed: bool,
     /// Set when a capture failed: every step runs eagerly from then on.
     broken: bool,
+    /// Kernel nodes of the graph of the most rows captured: (rows, kernels).
+    kernels: Option<(usize, usize)>,
 }
 
 impl DecodeGraphs {
@@ -71,7 +73,13 @@ impl DecodeGraphs {
             most_rows: max_rows.max(prefill_chunk + max_batch),
             warmed: false,
             broken: false,
+            kernels: None,
         }
+    }
+
+    /// Kernels one replayed step launches, for the graph of the most rows captured so far.
+    pub fn kernels(&self) -> Option<usize> {
+        self.kernels.map(|(_, k)| k)
     }
 
     /// Whether `inputs` form a step graphs can take: one new token per sequence, all in the
@@ -144,6 +152,10 @@ impl DecodeGraphs {
                 run(model, &step, cache, &picks, &logits)?;
                 match capture(cache.device(), || run(model, &step, cache, &picks, &logits)) {
                     Ok((graph, ())) => {
+                        let k = kernel_nodes(&graph)?;
+                        if self.kernels.is_none_or(|(rows, _)| rows <= key.0) {
+                            self.kernels = Some((key.0, k));
+                        }
                         self.entries.insert(
                             key,
                             Entry {

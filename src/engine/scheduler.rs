@@ -484,6 +484,7 @@ impl Engine<'_> {
             .filter(|g| g.takes(self.model, &self.cache, inputs))
         {
             let s = g.step(self.model, inputs, &mut self.cache, !all_greedy)?;
+            self.stats.graph_kernels = g.kernels();
             return Ok(match s.logits {
                 Some(rows) if !all_greedy => StepOut::Rows(rows),
                 _ => StepOut::Picks(s.picks),

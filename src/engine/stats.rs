@@ -24,6 +24,10 @@ pub struct Stats {
     /// those blocks held (not prefilled).
     pub prefix_hits: usize,
     pub prefix_tokens: usize,
+    /// Kernels one replayed decode step launches (inside one CUDA graph), for the largest batch
+    /// captured so far; absent where no step was replayed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph_kernels: Option<usize>,
 }
 
 impl Stats {

@@ -265,15 +265,33 @@ fn load_gguf(
         .with_context(|| format!("tokenizer of {}", path.display()))?;
     let math = if args.dequantize {
         GgufMath::Dense
-    } else if args.keep_quantized || !device.is_cpu() {
+    } else if args.keep_quantized {
         GgufMath::Candle
-    } else {
+    } else if device.is_cpu() {
         GgufMath::Blocks
+    } else if dense_fits(&content, dtype, device) {
+        // Batched decode then multiplies on tensor cores: on an H100, 64 x 512 decodes at
+        // 28.8K tok/s against 12.9K with the Q4_1 blocks (README, GPU figures).
+        GgufMath::Dense
+    } else {
+        GgufMath::Candle
     };
     let mut w = Weights::gguf(path, &cfg, content, device, dtype, math)?;
     let model = Llama::load(&cfg, &mut w)?;
     let source = WeightSource::Gguf(path.to_path_buf());
     Ok((model, tokenizer, path.display().to_string(), source))
+}
+
+/// Whether a GGUF model's weights, dequantized to `dtype`, take at most a quarter of the
+/// device's free memory (the GPU default then dequantizes them). Unknown free memory: no.
+fn dense_fits(content: &gguf_file::Content, dtype: DType, device: &Device) -> bool {
+    let elems = content
+        .tensor_infos
+        .values()
+        .map(|t| t.shape.elem_count())
+        .fold(0usize, usize::saturating_add);
+    let bytes = elems.saturating_mul(dtype.size_in_bytes()) as u64;
+    crate::device::free_bytes(device).is_some_and(|free| bytes <= free / 4)
 }
 
 fn load_safetensors(

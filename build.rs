@@ -16,10 +16,10 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     // One fat binary per kernel file: quant.cu (quantization), decode.cu (decode attention),
-    // sample.cu (token picks), fused.cu (fused decoder ops),
+    // sample.cu (token picks), fused.cu (fused decoder ops), gemv.cu (projections of a few rows),
     // holding machine code for compute capability `cap` and its PTX for newer GPUs (loaded by
-    // src/kv/kernels.rs).
-    for name in ["quant", "decode", "sample", "fused"] {
+    // src/device/kernels.rs).
+    for name in ["quant", "decode", "sample", "fused", "gemv"] {
         let status = Command::new(&nvcc)
             .args([
                 "--fatbin",

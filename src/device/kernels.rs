@@ -4,9 +4,11 @@
 //! first time a process used them on a fresh machine.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
-use candle_core::Result;
+use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, Layout, Result, Shape, Storage, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -21,6 +23,8 @@ pub(crate) enum Module {
     Sample,
     /// kernels/fused.cu: fused decoder ops (model::fused).
     Fused,
+    /// kernels/gemv.cu: projections of a few rows with their norm and epilogue (model::gemv).
+    Gemv,
 }
 
 impl Module {
@@ -30,6 +34,7 @@ impl Module {
             Module::Decode => include_bytes!(concat!(env!("OUT_DIR"), "/decode.fatbin")),
             Module::Sample => include_bytes!(concat!(env!("OUT_DIR"), "/sample.fatbin")),
             Module::Fused => include_bytes!(concat!(env!("OUT_DIR"), "/fused.fatbin")),
+            Module::Gemv => include_bytes!(concat!(env!("OUT_DIR"), "/gemv.fatbin")),
         }
     }
 }
@@ -124,4 +129,41 @@ pub(crate) fn aligned(t: &candle_core::Tensor) -> Result<candle_core::Tensor> {
 pub(crate) fn decode_override() -> &'static str {
     static CHOICE: OnceLock<String> = OnceLock::new();
     CHOICE.get_or_init(|| std::env::var("KVQ_CUDA_DECODE").unwrap_or_default())
+}
+
+fn launch_err(msg: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!("kernel launch: {msg}"))
+}
+
+/// The device data of a contiguous tensor's storage `s` with layout `l`, as `T`.
+pub(crate) fn view<'a, T: CudaDType>(s: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
+    let Storage::Cuda(c) = s else {
+        return Err(launch_err("expected CUDA storage"));
+    };
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| launch_err("non-contiguous input"))?;
+    Ok(c.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// The CUDA device a tensor lives on.
+pub(crate) fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        candle_core::Device::Cuda(d) => Ok(d.clone()),
+        _ => Err(launch_err("expected a CUDA tensor")),
+    }
+}
+
+/// A kernel's output buffer as a tensor of `shape`.
+pub(crate) fn wrap<T: CudaDType>(
+    s: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<Shape>,
+) -> Tensor {
+    Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+        shape,
+        BackpropOp::none(),
+        false,
+    )
 }

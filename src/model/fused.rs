@@ -109,43 +109,14 @@ pub fn rope_qkv_into(
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::device::kernels::{dtype_suffix, kernel, Module};
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, LaunchConfig, PushKernelArg,
-    };
-    use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-    use candle_core::op::BackpropOp;
-    use candle_core::{CudaStorage, DType, Result, Shape, Storage, Tensor};
+    use crate::device::kernels::{cuda_device as device, dtype_suffix, kernel, view, wrap, Module};
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{DType, Result, Tensor};
     use half::{bf16, f16};
 
     fn err(msg: String) -> candle_core::Error {
         candle_core::Error::Msg(format!("fused op (cuda): {msg}"))
-    }
-
-    fn view<'a, T: CudaDType>(s: &'a Storage, l: &candle_core::Layout) -> Result<CudaView<'a, T>> {
-        let Storage::Cuda(c) = s else {
-            return Err(err("expected CUDA storage".into()));
-        };
-        let (a, b) = l
-            .contiguous_offsets()
-            .ok_or_else(|| err("non-contiguous input".into()))?;
-        Ok(c.as_cuda_slice::<T>()?.slice(a..b))
-    }
-
-    fn device(t: &Tensor) -> Result<CudaDevice> {
-        match t.device() {
-            candle_core::Device::Cuda(d) => Ok(d.clone()),
-            _ => Err(err("expected a CUDA tensor".into())),
-        }
-    }
-
-    fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
-        Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
-            shape,
-            BackpropOp::none(),
-            false,
-        )
     }
 
     fn name(op: &str, dtype: DType) -> Result<String> {

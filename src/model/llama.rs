@@ -20,6 +20,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::{Arch, ModelConfig, RopeScaling};
 use super::fused;
+use super::gemv::{self, Epilogue};
 use super::weights::{Embedding, Linear, Name, WeightMath, Weights};
 #[cfg(feature = "cuda")]
 use crate::kv::attend::FixedStep;
@@ -101,6 +102,10 @@ pub struct Llama {
     /// Gemma: embeddings times √hidden, that factor rounded to the compute dtype as Gemma's
     /// reference code does.
     embed_scale: Option<f64>,
+    /// Every layer and the head can run a step of a few rows on the fused projections
+    /// ([`gemv`], when enabled): dense f16/bf16 weights on CUDA, stacked q|k|v and gate|up,
+    /// RoPE from tables, no post-norms.
+    small: bool,
 }
 
 impl Llama {
@@ -182,7 +187,21 @@ impl Llama {
             .iter()
             .map(|&t| rope_tables(cfg, t, w.device()))
             .collect::<Result<Vec<_>>>()?;
+        let dense = |l: &Linear| l.dense_weight().is_some_and(gemv::weight_fits);
+        let small = gemv::enabled()
+            && w.dtype() != DType::F32
+            && !cfg.qk_norm
+            && dense(&lm_head)
+            && blocks.iter().all(|b| {
+                matches!(&b.qkv, QkvProj::Fused(l) if dense(l))
+                    && matches!(&b.gate_up, GateUpProj::Fused(l) if dense(l))
+                    && dense(&b.o)
+                    && dense(&b.down)
+                    && b.post_attn_norm.is_none()
+                    && b.post_ffn_norm.is_none()
+            });
         Ok(Self {
+            small,
             cfg: cfg.clone(),
             embed,
             blocks,
@@ -406,6 +425,7 @@ impl Llama {
         if let Some(scale) = self.embed_scale {
             x = x.affine(scale, 0.0)?;
         }
+        let small = fused_rope && self.small_step(x.dim(0)?);
         let mut mlp = None;
         for (l, b) in self.blocks.iter().enumerate() {
             let step = Step {
@@ -416,10 +436,99 @@ impl Llama {
                 writes: &writes,
                 cache,
             };
-            let (x1, m) = self.block(l, b, &x, mlp.as_ref(), &step)?;
-            (x, mlp) = (x1, Some(m));
+            (x, mlp) = match small {
+                true => (self.block_small(l, b, &x, mlp.as_ref(), &step)?, None),
+                false => {
+                    let (x1, m) = self.block(l, b, &x, mlp.as_ref(), &step)?;
+                    (x1, Some(m))
+                }
+            };
         }
         Ok((x, mlp))
+    }
+
+    /// Whether a pass of `rows` rows runs on the fused projections ([`gemv`]).
+    fn small_step(&self, rows: usize) -> bool {
+        let c = &self.cfg;
+        self.small
+            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+                .iter()
+                .all(|&width| gemv::rows_fit(rows, width))
+    }
+
+    /// [`Llama::block`] for a step of a few rows on CUDA ([`Llama::small_step`]): four kernels
+    /// besides attention's and a quantized cache's write (norm + q|k|v + RoPE + dense K/V
+    /// write; output projection + residual; norm + gate|up + gated unit; down + residual).
+    /// Returns the residual stream after the layer.
+    fn block_small(
+        &self,
+        l: usize,
+        b: &Block,
+        x: &Tensor,
+        mlp: Option<&Tensor>,
+        s: &Step<'_>,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let eps = cfg.rms_norm_eps as f32;
+        let (QkvProj::Fused(qkv), GateUpProj::Fused(gate_up), Rope::Tables(cos, sin)) =
+            (&b.qkv, &b.gate_up, s.rope)
+        else {
+            bail!("layer {l}: the fused small-step path needs stacked projections and RoPE tables");
+        };
+        let dense = |lin: &Linear| {
+            lin.dense_weight()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("layer {l}: a projection is not dense"))
+        };
+        let dense_pool = match s.writes {
+            Writes::Fixed(slots) => s.cache.dense_layer(l, self.dtype).map(|p| (p, slots)),
+            Writes::Spans(_) => None,
+        };
+        let slots = match &dense_pool {
+            Some((_, slots)) => Some(slots.on(x.device())?),
+            None => None,
+        };
+        let rope = gemv::RopeOut {
+            pos: s.pos,
+            cos,
+            sin,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            pool: dense_pool
+                .zip(slots.as_ref())
+                .map(|(((kp, vp), _), sl)| (kp, vp, sl)),
+        };
+        let norm = Some((&b.attn_norm, eps));
+        let (sum, q, kv) = gemv::project_rope(x, mlp, norm, &dense(qkv)?, qkv.bias(), rope)?;
+        let x = sum.unwrap_or_else(|| x.clone());
+        if let Some((k, v)) = kv {
+            match s.writes {
+                Writes::Spans(spans) => s.cache.write_spans(l, spans, &k, &v)?,
+                Writes::Fixed(slots) => s.cache.write_fixed(l, slots, &k, &v)?,
+            }
+        }
+        let t = q.dim(0)?;
+        let attn = paged_attention(
+            &q,
+            s.cache,
+            l,
+            s.batch,
+            s.decode,
+            cfg.attn_scale,
+            cfg.attn_softcap,
+        )?
+        .reshape((t, nh * hd))?;
+        let (o, down) = (&b.o, &b.down);
+        let (_, x1) = gemv::project(&attn, None, None, &dense(o)?, o.bias(), Epilogue::Add(&x))?;
+        let glu = Epilogue::Glu {
+            gelu: cfg.arch.is_gemma(),
+        };
+        let norm = Some((&b.ffn_norm, eps));
+        let (_, act) = gemv::project(&x1, None, norm, &dense(gate_up)?, gate_up.bias(), glu)?;
+        let add = Epilogue::Add(&x1);
+        Ok(gemv::project(&act, None, None, &dense(down)?, down.bias(), add)?.1)
     }
 
     /// One decoder layer. Input: the residual stream `x` plus the previous layer's MLP output
@@ -544,8 +653,18 @@ impl Llama {
     /// logits of the rows of `x`.
     fn head(&self, x: &Tensor, mlp: Option<&Tensor>) -> Result<Tensor> {
         let eps = self.cfg.rms_norm_eps as f32;
-        let (_, x) = fused::add_rms_norm(x, mlp, &self.norm, eps)?;
-        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        let dense = self.lm_head.dense_weight();
+        let logits = match dense {
+            Some(w) if self.small_step(x.dim(0)?) => {
+                let norm = Some((&self.norm, eps));
+                let bias = self.lm_head.bias();
+                gemv::project(x, mlp, norm, w, bias, Epilogue::Logits)?.1
+            }
+            _ => {
+                let (_, x) = fused::add_rms_norm(x, mlp, &self.norm, eps)?;
+                self.lm_head.forward(&x)?.to_dtype(DType::F32)?
+            }
+        };
         Ok(match self.cfg.final_softcap {
             Some(c) => ((logits / c as f64)?.tanh()? * c as f64)?,
             None => logits,

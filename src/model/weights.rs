@@ -175,6 +175,18 @@ impl Linear {
         }
     }
 
+    /// The weight `[out, in]` where it is a dense tensor (not GGUF blocks).
+    pub fn dense_weight(&self) -> Option<&Tensor> {
+        match &self.w {
+            Weight::Candle(QMatMul::Tensor(w)) => Some(w),
+            _ => None,
+        }
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.b.as_ref()
+    }
+
     /// The projections `parts` stacked along their outputs (`[Σ out, in]`, outputs in `parts`'
     /// order), so one matmul launch computes them all; `None` where they cannot be stacked
     /// (kvq's CPU block kernels, mixed GGUF types or input widths, some with a bias and some

@@ -60,8 +60,14 @@ pub fn kvq_bin() -> PathBuf {
 }
 
 pub fn kvq(args: &[&str]) -> Output {
+    kvq_env(args, &[])
+}
+
+/// [`kvq`] with extra environment variables.
+pub fn kvq_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(kvq_bin())
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("kvq runs")
 }

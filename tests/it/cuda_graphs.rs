@@ -3,7 +3,8 @@
 //! for the f16, 8-bit and 4-bit caches. `--max-batch 5` with the cases' different lengths makes
 //! rows finish and join between steps (the batch moves between graph buckets), and 48 new
 //! tokens on 16-token blocks make every sequence grow into new blocks (replayed graphs must read
-//! the updated block tables).
+//! the updated block tables). The same with the fused small-step projections on
+//! (`KVQ_GPU_GEMV=on`, model::gemv).
 
 use crate::common::*;
 use serde_json::{json, Value};
@@ -29,9 +30,15 @@ fn write_input(dir: &Path) -> std::path::PathBuf {
     path
 }
 
-/// Generated tokens per request id.
-fn run(dir: &Path, input: &Path, graphs: &str, kv: &[&str]) -> BTreeMap<String, Vec<u32>> {
-    let out = dir.join(format!("out-{graphs}-{}.jsonl", kv.join("")));
+/// Generated tokens per request id (`gemv`: the fused small-step projections on).
+fn run(
+    dir: &Path,
+    input: &Path,
+    graphs: &str,
+    kv: &[&str],
+    gemv: bool,
+) -> BTreeMap<String, Vec<u32>> {
+    let out = dir.join(format!("out-{graphs}-{}-{gemv}.jsonl", kv.join("")));
     let mut args = vec![
         "batch-generate",
         input.to_str().unwrap(),
@@ -53,7 +60,7 @@ fn run(dir: &Path, input: &Path, graphs: &str, kv: &[&str]) -> BTreeMap<String, 
         graphs,
     ];
     args.extend(kv);
-    let o = kvq(&args);
+    let o = kvq_env(&args, &[("KVQ_GPU_GEMV", if gemv { "on" } else { "off" })]);
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));
     std::fs::read_to_string(&out)
         .unwrap()
@@ -69,9 +76,16 @@ fn run(dir: &Path, input: &Path, graphs: &str, kv: &[&str]) -> BTreeMap<String, 
 fn graph_replay_equals_eager_launches_on_the_reference_prompts() {
     let dir = tempfile::tempdir().unwrap();
     let input = write_input(dir.path());
-    for kv in [&[][..], &["--kv-bits", "8"], &["--kv-bits", "4"]] {
-        let eager = run(dir.path(), &input, "off", kv);
-        let graphs = run(dir.path(), &input, "on", kv);
+    for (kv, gemv) in [
+        (&[][..], false),
+        (&["--kv-bits", "8"], false),
+        (&["--kv-bits", "4"], false),
+        (&[][..], true),
+        (&["--kv-bits", "4"], true),
+    ] {
+        let eager = run(dir.path(), &input, "off", kv, gemv);
+        let graphs = run(dir.path(), &input, "on", kv, gemv);
+        let kv = (kv, gemv);
         assert_eq!(eager.len(), 12, "{kv:?}: every request answered");
         assert!(
             eager.values().any(|t| t.len() > 40),

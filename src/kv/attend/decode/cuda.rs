@@ -2,12 +2,12 @@
 //! (sequence × KV head, position split, query-head chunk), then `decode_merge`.
 
 use super::Dims;
-use crate::device::kernels::{aligned, decode_override, dtype_suffix, kernel, Module};
+use crate::device::kernels::{aligned, decode_override, dtype_suffix, kernel, view, Module};
 use crate::kv::format::rotation::Rotation;
 use crate::kv::format::LayerKv;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
 use candle_core::op::BackpropOp;
@@ -76,19 +76,6 @@ fn resident_blocks(f: &CudaFunction, name: &str, smem: usize) -> Result<usize> {
 
 fn err(msg: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(format!("decode_attention (cuda): {}", msg.into()))
-}
-
-fn view<'a, T: candle_core::cuda_backend::CudaDType>(
-    s: &'a Storage,
-    l: &candle_core::Layout,
-) -> Result<CudaView<'a, T>> {
-    let Storage::Cuda(c) = s else {
-        return Err(err("expected CUDA storage"));
-    };
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| err("non-contiguous input"))?;
-    Ok(c.as_cuda_slice::<T>()?.slice(a..b))
 }
 
 fn dtype_name(d: DType) -> Result<&'static str> {

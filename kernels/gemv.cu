@@ -1,0 +1,276 @@
+// kvq: projections of a few rows (a decode step of up to 8 sequences) as one kernel each, with
+// what surrounds them in a decoder layer fused in (src/model/small.rs says why and when).
+//
+// gemv_T_R: for rows r < rows (rows <= R), outputs o:
+//   prologue (optional): s = a + res_in (rounded to T; block 0 writes s to s_out), then
+//     x = round_T(rsqrt(mean(s^2) + eps) * s * norm_w) — candle's add and rms_norm arithmetic;
+//   y0[o] = round_T(x . W[o] + bias[o]) (f32 accumulation, fixed order per row);
+//   epilogue by mode: 0 store y0; 1 store round_T(y0 + res); 2 (gated unit, W = [gate; up],
+//     outputs F = N / 2) store round_T(act(y0[o]) * y0[F + o]) with SiLU or GELU-tanh (gelu);
+//     3 store y0 widened to f32 (logits).
+// gemv_rope_T_R: the same prologue and products for a stacked q|k|v projection, with RoPE and
+//   the K/V writes of kernels/fused.cu's rope_qkv as its epilogue.
+// The rows' inputs sit in shared memory as f32 (rows * K * 4 <= 48 KiB, checked by the host);
+// each warp computes two weight rows for every input row, reading each weight once with
+// 16-byte loads, several in flight per lane.
+#include "common.cuh"
+
+constexpr int GEMV_WARPS = 4;
+constexpr int GEMV_UNROLL = 4;
+
+__device__ __forceinline__ void widen8(uint4 v, const __half*, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 p = __half22float2(h[i]);
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+    }
+}
+
+__device__ __forceinline__ void widen8(uint4 v, const __nv_bfloat16*, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 p = __bfloat1622float2(h[i]);
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// The rows' inputs into shared memory, added to res_in and RMS-normalized where asked.
+template <typename T, int R>
+__device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a,
+                                              const T* __restrict__ res_in,
+                                              const T* __restrict__ norm_w, float eps,
+                                              T* __restrict__ s_out, int rows, int K) {
+    __shared__ float part[R][GEMV_WARPS];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    float ss[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        ss[r] = 0.f;
+        if (r >= rows) continue;
+        for (int k = tid; k < K; k += blockDim.x) {
+            float v = to_f(a[(size_t)r * K + k]);
+            if (res_in != nullptr) {
+                const T s = from_f<T>(v + to_f(res_in[(size_t)r * K + k]));
+                if (s_out != nullptr && blockIdx.x == 0) s_out[(size_t)r * K + k] = s;
+                v = to_f(s);
+            }
+            xs[r * K + k] = v;
+            ss[r] += v * v;
+        }
+    }
+    if (norm_w == nullptr) {
+        __syncthreads();
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const float t = warp_sum(ss[r]);
+        if (lane == 0) part[r][warp] = t;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r >= rows) continue;
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; w++) t += part[r][w];
+        const float scale = rsqrtf(t / K + eps);
+        for (int k = tid; k < K; k += blockDim.x) {
+            xs[r * K + k] = to_f(from_f<T>(scale * xs[r * K + k] * to_f(norm_w[k])));
+        }
+    }
+    __syncthreads();
+}
+
+// Both weight rows o0 and o1 times every staged input row; sums in every lane of the warp.
+template <typename T, int R>
+__device__ __forceinline__ void dot_pair(const float* xs, const T* __restrict__ w, int o0, int o1,
+                                         int rows, int K, float* acc0, float* acc1) {
+    const int lane = threadIdx.x % 32;
+    const int K8 = K / 8;
+    const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)o0 * K);
+    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)o1 * K);
+#pragma unroll
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = 0.f;
+    for (int c0 = lane; c0 < K8; c0 += 32 * GEMV_UNROLL) {
+        uint4 v0[GEMV_UNROLL], v1[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            const int c = c0 + 32 * u;
+            if (c < K8) {
+                v0[u] = __ldg(w0 + c);
+                v1[u] = __ldg(w1 + c);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            const int c = c0 + 32 * u;
+            if (c >= K8) break;
+            float f0[8], f1[8];
+            widen8(v0[u], w, f0);
+            widen8(v1[u], w, f1);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (r >= rows) break;
+                const float4* xr = reinterpret_cast<const float4*>(xs + r * K + c * 8);
+                const float4 xa = xr[0], xb = xr[1];
+                const float x8[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    acc0[r] = fmaf(f0[i], x8[i], acc0[r]);
+                    acc1[r] = fmaf(f1[i], x8[i], acc1[r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        acc0[r] = warp_sum(acc0[r]);
+        acc1[r] = warp_sum(acc1[r]);
+    }
+}
+
+template <typename T, int R>
+__device__ __forceinline__ void gemv(const T* __restrict__ a, const T* __restrict__ res_in,
+                                     const T* __restrict__ norm_w, float eps, T* __restrict__ s_out,
+                                     const T* __restrict__ w, const T* __restrict__ bias,
+                                     const T* __restrict__ res, void* __restrict__ y, int rows,
+                                     int K, int N, int mode, int gelu) {
+    extern __shared__ float xs[];
+    gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int unit = blockIdx.x * GEMV_WARPS + warp;
+    // Two weight rows per warp: a gate row and its up row, or two neighbouring outputs.
+    const int outs = mode == 2 ? N / 2 : N;
+    int o0, o1;
+    if (mode == 2) {
+        if (unit >= outs) return;
+        o0 = unit;
+        o1 = unit + outs;
+    } else {
+        o0 = 2 * unit;
+        if (o0 >= N) return;
+        o1 = o0 + 1 < N ? o0 + 1 : o0;
+    }
+    float acc0[R], acc1[R];
+    dot_pair<T, R>(xs, w, o0, o1, rows, K, acc0, acc1);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r >= rows) break;
+        if (lane != r % 32) continue;
+        float s0 = acc0[r], s1 = acc1[r];
+        if (bias != nullptr) {
+            s0 += to_f(bias[o0]);
+            s1 += to_f(bias[o1]);
+        }
+        const T t0 = from_f<T>(s0), t1 = from_f<T>(s1);
+        const size_t at = (size_t)r * outs;
+        if (mode == 2) {
+            const float g = to_f(t0), up = to_f(t1);
+            float act;
+            if (gelu) {
+                const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+                act = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
+            } else {
+                act = g / (1.f + expf(-g));
+            }
+            static_cast<T*>(y)[at + o0] = from_f<T>(act * up);
+        } else if (mode == 3) {
+            static_cast<float*>(y)[at + o0] = to_f(t0);
+            if (o1 != o0) static_cast<float*>(y)[at + o1] = to_f(t1);
+        } else {
+            T* out = static_cast<T*>(y);
+            if (mode == 1) {
+                out[at + o0] = from_f<T>(to_f(t0) + to_f(res[at + o0]));
+                if (o1 != o0) out[at + o1] = from_f<T>(to_f(t1) + to_f(res[at + o1]));
+            } else {
+                out[at + o0] = t0;
+                if (o1 != o0) out[at + o1] = t1;
+            }
+        }
+    }
+}
+
+// The stacked q|k|v projection ([(H + 2 KVH) * D, K]) with RoPE (halves layout) at each row's
+// position: a warp computes rows i and i + D/2 of one head, rotates q and k heads as
+// kernels/fused.cu's rope_qkv does (its arithmetic in T), and writes q to q_out [rows, H, D],
+// k and v to row r of k_out / v_out [rows, KVH * D], or to row slots[r] of a dense cache pool.
+template <typename T, int R>
+__device__ __forceinline__ void gemv_rope(const T* __restrict__ a, const T* __restrict__ res_in,
+                                          const T* __restrict__ norm_w, float eps,
+                                          T* __restrict__ s_out, const T* __restrict__ w,
+                                          const T* __restrict__ bias, const uint32_t* __restrict__ pos,
+                                          const float* __restrict__ cos, const float* __restrict__ sin,
+                                          const uint32_t* __restrict__ slots, T* __restrict__ q_out,
+                                          T* __restrict__ k_out, T* __restrict__ v_out, int rows,
+                                          int K, int heads, int kv_heads, int d) {
+    extern __shared__ float xs[];
+    gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int unit = blockIdx.x * GEMV_WARPS + warp;
+    const int half = d / 2;
+    const int h = unit / half, i = unit % half;
+    if (h >= heads + 2 * kv_heads) return;
+    const int o0 = h * d + i, o1 = o0 + half;
+    float acc0[R], acc1[R];
+    dot_pair<T, R>(xs, w, o0, o1, rows, K, acc0, acc1);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r >= rows) break;
+        if (lane != r % 32) continue;
+        float s0 = acc0[r], s1 = acc1[r];
+        if (bias != nullptr) {
+            s0 += to_f(bias[o0]);
+            s1 += to_f(bias[o1]);
+        }
+        const T x1 = from_f<T>(s0), x2 = from_f<T>(s1);
+        const size_t row = slots != nullptr ? (size_t)slots[r] : (size_t)r;
+        if (h >= heads + kv_heads) {
+            T* dst = v_out + (row * kv_heads + (h - heads - kv_heads)) * d;
+            dst[i] = x1;
+            dst[i + half] = x2;
+            continue;
+        }
+        T* dst = h < heads ? q_out + ((size_t)r * heads + h) * d
+                           : k_out + (row * kv_heads + (h - heads)) * d;
+        const size_t cs = (size_t)pos[r] * half + i;
+        const T c = from_f<T>(cos[cs]), sn = from_f<T>(sin[cs]);
+        dst[i] = x1 * c - x2 * sn;
+        dst[i + half] = x1 * sn + x2 * c;
+    }
+}
+
+#define KVQ_GEMV(TNAME, T, R)                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                 \
+        gemv_##TNAME##_##R(const T* a, const T* res_in, const T* norm_w, float eps, T* s_out,     \
+                           const T* w, const T* bias, const T* res, void* y, int rows, int K,     \
+                           int N, int mode, int gelu) {                                           \
+        gemv<T, R>(a, res_in, norm_w, eps, s_out, w, bias, res, y, rows, K, N, mode, gelu);       \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope_##TNAME##_##R(        \
+        const T* a, const T* res_in, const T* norm_w, float eps, T* s_out, const T* w,            \
+        const T* bias, const uint32_t* pos, const float* cos, const float* sin,                   \
+        const uint32_t* slots, T* q_out, T* k_out, T* v_out, int rows, int K, int heads,          \
+        int kv_heads, int d) {                                                                    \
+        gemv_rope<T, R>(a, res_in, norm_w, eps, s_out, w, bias, pos, cos, sin, slots, q_out,      \
+                        k_out, v_out, rows, K, heads, kv_heads, d);                               \
+    }
+
+KVQ_GEMV(f16, __half, 1)
+KVQ_GEMV(f16, __half, 2)
+KVQ_GEMV(f16, __half, 4)
+KVQ_GEMV(f16, __half, 8)
+KVQ_GEMV(bf16, __nv_bfloat16, 1)
+KVQ_GEMV(bf16, __nv_bfloat16, 2)
+KVQ_GEMV(bf16, __nv_bfloat16, 4)
+KVQ_GEMV(bf16, __nv_bfloat16, 8)

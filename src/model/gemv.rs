@@ -49,17 +49,6 @@ pub enum Epilogue<'a> {
     Logits,
 }
 
-impl Epilogue<'_> {
-    fn mode(&self) -> i32 {
-        match self {
-            Epilogue::Store => 0,
-            Epilogue::Add(_) => 1,
-            Epilogue::Glu { .. } => 2,
-            Epilogue::Logits => 3,
-        }
-    }
-}
-
 /// Whether `rows` rows of `width` inputs each fit the kernels: at most [`MAX_ROWS`], staged in
 /// shared memory, `width` a multiple of 8 (16-byte loads).
 pub fn rows_fit(rows: usize, width: usize) -> bool {
@@ -170,6 +159,16 @@ mod cuda {
 
     fn err(msg: String) -> candle_core::Error {
         candle_core::Error::Msg(format!("fused projection (cuda): {msg}"))
+    }
+
+    /// The kernel's epilogue code (kernels/gemv.cu's `mode`).
+    fn mode(e: &Epilogue<'_>) -> i32 {
+        match e {
+            Epilogue::Store => 0,
+            Epilogue::Add(_) => 1,
+            Epilogue::Glu { .. } => 2,
+            Epilogue::Logits => 3,
+        }
     }
 
     /// Warps per block (kernels/gemv.cu's GEMV_WARPS); each computes two weight rows.
@@ -328,7 +327,7 @@ mod cuda {
         let inp = Inputs::new(x, res, norm, w, bias)?;
         let (rows, n, dtype) = (inp.rows, inp.n, x.dtype());
         let (mode, gelu) = (
-            epilogue.mode(),
+            mode(&epilogue),
             matches!(epilogue, Epilogue::Glu { gelu: true }),
         );
         let (outs, units) = match epilogue {

@@ -1,0 +1,96 @@
+//! A decode step of a few rows on CUDA through the fused projections ([`gemv`]): the layer
+//! as four kernels besides attention's (docs/ARCHITECTURE.md, "One decode step").
+
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+
+use super::{Block, GateUpProj, Llama, QkvProj, Rope, Step, Writes};
+use crate::kv::attend::paged_attention;
+use crate::model::gemv::{self, Epilogue};
+use crate::model::weights::Linear;
+
+impl Llama {
+    /// Whether a pass of `rows` rows runs on the fused projections ([`gemv`]).
+    pub(super) fn small_step(&self, rows: usize) -> bool {
+        let c = &self.cfg;
+        self.small
+            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+                .iter()
+                .all(|&width| gemv::rows_fit(rows, width))
+    }
+
+    /// [`Llama::block`] for a step of a few rows on CUDA ([`Llama::small_step`]): four kernels
+    /// besides attention's and a quantized cache's write (norm + q|k|v + RoPE + dense K/V
+    /// write; output projection + residual; norm + gate|up + gated unit; down + residual).
+    /// Returns the residual stream after the layer.
+    pub(super) fn block_small(
+        &self,
+        l: usize,
+        b: &Block,
+        x: &Tensor,
+        mlp: Option<&Tensor>,
+        s: &Step<'_>,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let eps = cfg.rms_norm_eps as f32;
+        let (QkvProj::Fused(qkv), GateUpProj::Fused(gate_up), Rope::Tables(cos, sin)) =
+            (&b.qkv, &b.gate_up, s.rope)
+        else {
+            bail!("layer {l}: the fused small-step path needs stacked projections and RoPE tables");
+        };
+        let dense = |lin: &Linear| {
+            lin.dense_weight()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("layer {l}: a projection is not dense"))
+        };
+        let dense_pool = match s.writes {
+            Writes::Fixed(slots) => s.cache.dense_layer(l, self.dtype).map(|p| (p, slots)),
+            Writes::Spans(_) => None,
+        };
+        let slots = match &dense_pool {
+            Some((_, slots)) => Some(slots.on(x.device())?),
+            None => None,
+        };
+        let rope = gemv::RopeOut {
+            pos: s.pos,
+            cos,
+            sin,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            pool: dense_pool
+                .zip(slots.as_ref())
+                .map(|(((kp, vp), _), sl)| (kp, vp, sl)),
+        };
+        let norm = Some((&b.attn_norm, eps));
+        let (sum, q, kv) = gemv::project_rope(x, mlp, norm, &dense(qkv)?, qkv.bias(), rope)?;
+        let x = sum.unwrap_or_else(|| x.clone());
+        if let Some((k, v)) = kv {
+            match s.writes {
+                Writes::Spans(spans) => s.cache.write_spans(l, spans, &k, &v)?,
+                Writes::Fixed(slots) => s.cache.write_fixed(l, slots, &k, &v)?,
+            }
+        }
+        let t = q.dim(0)?;
+        let attn = paged_attention(
+            &q,
+            s.cache,
+            l,
+            s.batch,
+            s.decode,
+            cfg.attn_scale,
+            cfg.attn_softcap,
+        )?
+        .reshape((t, nh * hd))?;
+        let (o, down) = (&b.o, &b.down);
+        let (_, x1) = gemv::project(&attn, None, None, &dense(o)?, o.bias(), Epilogue::Add(&x))?;
+        let glu = Epilogue::Glu {
+            gelu: cfg.arch.is_gemma(),
+        };
+        let norm = Some((&b.ffn_norm, eps));
+        let (_, act) = gemv::project(&x1, None, norm, &dense(gate_up)?, gate_up.bias(), glu)?;
+        let add = Epilogue::Add(&x1);
+        Ok(gemv::project(&act, None, None, &dense(down)?, down.bias(), add)?.1)
+    }
+}

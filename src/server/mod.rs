@@ -14,6 +14,7 @@ pub mod worker;
 
 use anyhow::{bail, Context, Result};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use crate::engine::scheduler::{Engine, EngineConfig};
@@ -61,9 +62,12 @@ pub fn serve(opts: ServeOptions, load: Loader) -> Result<()> {
     let engine_cfg = opts.engine.clone();
     let prefix_cache = opts.prefix_cache;
     let (m2, o2) = (metrics.clone(), outstanding.clone());
+    let engine_alive = Arc::new(AtomicBool::new(true));
+    let alive = Alive(engine_alive.clone());
     let engine_thread = std::thread::Builder::new()
         .name("kvq-engine".into())
         .spawn(move || {
+            let _alive = alive;
             let loaded = match load() {
                 Ok(l) => l,
                 Err(e) => {
@@ -103,6 +107,7 @@ pub fn serve(opts: ServeOptions, load: Loader) -> Result<()> {
         metrics,
         outstanding,
         next_id: Default::default(),
+        engine_alive,
     });
     let app = routes::router(state, opts.max_body);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -118,9 +123,7 @@ pub fn serve(opts: ServeOptions, load: Loader) -> Result<()> {
         let local: SocketAddr = listener.local_addr()?;
         eprintln!("kvq serve: listening on http://{local}");
         axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
+            .with_graceful_shutdown(shutdown_signal())
             .await
             .context("the HTTP server failed")
     })?;
@@ -128,4 +131,52 @@ pub fn serve(opts: ServeOptions, load: Loader) -> Result<()> {
     drop(rt);
     let _ = engine_thread.join();
     Ok(())
+}
+
+/// Clears its flag when the engine thread ends, by returning or by a panic (`/health` then
+/// answers 503, so a supervisor can restart the server).
+struct Alive(Arc<AtomicBool>);
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Resolves on the first Ctrl-C (or SIGTERM, what service managers send): the server then
+/// takes no new connections and lets the requests in flight finish. A second signal ends the
+/// process at once — a long stream must not keep a server that was asked to stop alive.
+async fn shutdown_signal() {
+    stop_signal().await;
+    eprintln!(
+        "kvq serve: stopping: no new requests, those in flight finish (Ctrl-C again to stop now)"
+    );
+    tokio::spawn(async {
+        stop_signal().await;
+        eprintln!("kvq serve: stopped with requests in flight");
+        std::process::exit(130);
+    });
+}
+
+/// The next Ctrl-C or SIGTERM.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

@@ -47,6 +47,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub outstanding: Arc<Outstanding>,
     pub next_id: std::sync::atomic::AtomicU64,
+    /// False once the engine thread has ended (a panic): nothing can be served.
+    pub engine_alive: Arc<std::sync::atomic::AtomicBool>,
 }
 
 pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
@@ -59,6 +61,7 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
@@ -82,12 +85,15 @@ impl IntoResponse for ApiError {
 
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
+        // The scheme is case-insensitive (RFC 9110): "bearer KEY" is as good as "Bearer KEY".
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given.map(str::trim) != Some(key.as_str()) {
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
+        if given != Some(key.as_str()) {
             return ApiError::new(
                 401,
                 "authentication_error",
@@ -108,8 +114,34 @@ async fn not_found() -> ApiError {
     )
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({ "status": "ok" }))
+/// A known route with the wrong method: an OpenAI error body too (axum adds `Allow`).
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        405,
+        "invalid_request_error",
+        format!(
+            "{} {} is not served: see the Allow header",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.engine_alive.load(std::sync::atomic::Ordering::SeqCst) {
+        Json(json!({ "status": "ok" })).into_response()
+    } else {
+        engine_stopped().into_response()
+    }
+}
+
+/// What every request gets once the engine thread is gone.
+fn engine_stopped() -> ApiError {
+    ApiError::new(
+        503,
+        "server_error",
+        "the engine thread has stopped (see the server's log); restart the server",
+    )
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
@@ -187,7 +219,7 @@ async fn try_complete(
         .send(job);
     if sent.is_err() {
         st.outstanding.release();
-        return Err(internal("the engine thread has stopped"));
+        return Err(engine_stopped());
     }
     // The first update says whether the engine took it.
     match rx.recv().await {
@@ -286,4 +318,48 @@ fn sse_stream(
         }
         Some((Ok(ev), st))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn state() -> Arc<AppState> {
+        Arc::new(AppState {
+            model: "m".into(),
+            defaults: Defaults {
+                params: Default::default(),
+                max_tokens: 4,
+                stop: Vec::new(),
+            },
+            api_key: None,
+            max_outstanding: 1,
+            jobs: Mutex::new(std::sync::mpsc::channel().0),
+            metrics: Default::default(),
+            outstanding: Default::default(),
+            next_id: Default::default(),
+            engine_alive: Arc::new(AtomicBool::new(true)),
+        })
+    }
+
+    #[test]
+    fn health_and_requests_say_503_once_the_engine_thread_is_gone() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let st = state();
+        let r = rt.block_on(health(State(st.clone())));
+        assert_eq!(r.status(), StatusCode::OK);
+        // The channel's receiver is gone, as when the engine thread ends.
+        st.engine_alive.store(false, Ordering::SeqCst);
+        let r = rt.block_on(health(State(st.clone())));
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = Bytes::from_static(br#"{"prompt": "hi"}"#);
+        let r = rt.block_on(completions(State(st.clone()), Ok(body)));
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        // Its place in the queue was given back.
+        assert!(st.outstanding.try_acquire(1));
+    }
 }

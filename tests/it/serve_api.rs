@@ -225,6 +225,15 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         .unwrap()
         .contains("context window"));
     assert_eq!(s.get("/nowhere").0, 404);
+    // A known route with the wrong method: 405 with Allow and an error body.
+    match ureq::get(&s.url("/v1/completions")).call() {
+        Err(ureq::Error::Status(405, r)) => {
+            assert_eq!(r.header("Allow"), Some("POST"));
+            let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+            assert!(v["error"]["message"].is_string(), "{v}");
+        }
+        other => panic!("expected 405, got {:?}", other.map(|r| r.status())),
+    }
     s.assert_no_leak();
     s2.assert_no_leak();
     assert!(s.metric("kvq_requests_total{outcome=\"rejected\"}") >= 1.0);
@@ -247,6 +256,9 @@ fn api_key_queue_limit_and_hang_ups() {
     let auth = [("Authorization", "Bearer sesame")];
     let (code, text) = s.post_raw("/v1/completions", &body, &auth);
     assert_eq!(code, 200, "{text}");
+    // The scheme's case does not matter.
+    let lower = [("Authorization", "bearer sesame")];
+    assert_eq!(s.post_raw("/v1/completions", &body, &lower).0, 200);
     // Health and metrics stay open.
     assert_eq!(s.get("/health").0, 200);
 
@@ -292,4 +304,57 @@ fn api_key_queue_limit_and_hang_ups() {
         .is_err());
     s.assert_no_leak();
     assert_eq!(s.metric("kvq_requests_total{outcome=\"cancelled\"}"), 2.0);
+}
+
+/// The next `data:` line of a stream (panics at its end).
+fn next_data(reader: &mut impl std::io::BufRead) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "the stream ended");
+        if line.starts_with("data: ") {
+            return line;
+        }
+    }
+}
+
+/// Ctrl-C (SIGINT) and SIGTERM stop the server: at once when idle; with a stream in flight the
+/// server takes no new connection, the stream goes on, and a second signal ends the process.
+#[cfg(unix)]
+#[test]
+fn signals_stop_the_server_and_a_second_one_at_once() {
+    use std::time::Duration;
+    let mut s = Server::start(&[]);
+    s.signal("TERM");
+    let st = s
+        .wait_exit(Duration::from_secs(10))
+        .expect("idle server stops");
+    assert!(st.success(), "{st}");
+
+    let mut s = Server::start(&[]);
+    // Long enough to outlast the test (the KV budget of BASE_FLAGS holds ~2,000 tokens).
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 1500, "stream": true,
+                      "ignore_eos": true});
+    let r = ureq::post(&s.url("/v1/completions"))
+        .send_string(&long.to_string())
+        .unwrap();
+    let mut reader = std::io::BufReader::new(r.into_reader());
+    next_data(&mut reader);
+    s.signal("INT");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        ureq::get(&s.url("/health")).call().is_err(),
+        "a stopping server takes no new connection"
+    );
+    // The request in flight goes on...
+    for _ in 0..3 {
+        assert!(next_data(&mut reader).contains("\"text\""));
+    }
+    assert!(s.wait_exit(Duration::from_millis(200)).is_none());
+    // ...until a second signal.
+    s.signal("INT");
+    let st = s
+        .wait_exit(Duration::from_secs(10))
+        .expect("a second Ctrl-C stops it");
+    assert!(!st.success(), "{st}");
 }

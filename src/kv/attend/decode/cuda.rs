@@ -16,21 +16,22 @@ use half::{bf16, f16};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-/// Must match NT, TILE and MAXG in decode.cu.
+/// Must match NT, TILE and MAXG in kernels/decode/block.cuh.
 const THREADS: u32 = 128;
 const TILE: usize = 128;
 const MAXG: usize = 8;
 /// Blocks to aim for: about four waves on an H100's 132 SMs.
 const TARGET_BLOCKS: usize = 512;
-/// Query heads per block of the warp-independent quantized kernel (QG in decode.cu).
+/// Query heads per block of the warp-independent quantized kernel (QG in
+/// kernels/decode/warp_shape.cuh).
 const QG: usize = 4;
 /// Largest head_dim the shared-memory layout is sized for (stays under 48 KiB).
 const MAX_HEAD_DIM: usize = 512;
-/// Warps per block of the warp kernels (QW in decode.cu).
+/// Warps per block of the warp kernels (QW in kernels/decode/warp_shape.cuh).
 const QW: usize = 4;
 
 /// Dynamic shared memory of a tensor-core kernel: per warp two staged tiles of 32 rows, each row
-/// its K and V codes and its K and V scales and biases (STG in decode.cu).
+/// its K and V codes and its K and V scales and biases (STG in kernels/decode/warp_shape.cuh).
 fn stage_bytes(head_dim: usize, bits: usize, group: usize, scale_bytes: usize) -> usize {
     let codes = head_dim * bits / 8;
     let scales = head_dim / group * scale_bytes;

@@ -8,6 +8,7 @@ pub mod fingerprint;
 pub mod fused;
 pub mod gguf_check;
 pub mod hub;
+pub mod linear;
 pub mod llama;
 pub mod load;
 pub mod options;

@@ -101,7 +101,6 @@ __device__ __forceinline__ void qdecode_impl(
     constexpr int HB = S::HB, NCH = S::NCH, LPR = S::LPR, NG = S::NG, KST = S::KST, STG = S::STG;
     const unsigned FULL = 0xffffffffu;
     if (MMA) group = GS;
-
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;  // mma fragment coordinates
     const int b = blockIdx.x / kvh, kh = blockIdx.x % kvh;
@@ -109,9 +108,8 @@ __device__ __forceinline__ void qdecode_impl(
     const int j0 = blockIdx.z * QG, gn = min(QG, G - j0);
     const int H = kvh * G;
 
-    // q and the warps' V totals: static for the SIMT kernels; the tensor-core kernels keep them
-    // in their staging memory (q before the first tile, each warp's totals in its own stages
-    // after its last).
+    // q and the warps' V totals: static (SIMT), or in the staging memory (tensor cores: q before
+    // the first tile, each warp's totals in its own stages after its last).
     __shared__ __align__(16) float q_st[MMA ? 1 : QG * D];
     __shared__ __align__(16) float wacc_st[MMA ? 1 : QW * QG * D];
     extern __shared__ __align__(16) unsigned char stage_s[];

@@ -9,6 +9,15 @@
 //! with the sampled tokens on the host); S_PP = B·PP / T_PP, S_TG = B·TG / T_TG, N_KV = B·(PP +
 //! TG) and S = N_KV / (T_PP + T_TG), as llama.cpp defines them. Each shape gets a fresh cache.
 
+// Shapes come from the command line: no unwrap, expect or indexing that could panic on them (issue
+// 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Result};
 use serde::Serialize;
 use std::time::Instant;

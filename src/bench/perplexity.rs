@@ -8,10 +8,20 @@
 //! `j` scores token `j + 1`, so a window gives `ctx − 1` targets. All settings advance chunk by
 //! chunk together, so only one chunk of reference log-probabilities is ever held.
 
+// The tokens come from a text file: no unwrap, expect or indexing that could panic on them
+// (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use rayon::prelude::*;
 
+use crate::engine::sampler::argmax;
 use crate::kv::cache::{CacheConfig, PagedKvCache, PoolSizing};
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
@@ -112,8 +122,7 @@ pub fn evaluate(
     let mut accs: Vec<Acc> = settings.iter().map(|_| Acc::default()).collect();
     let second_half_from = opts.ctx - 1 - (opts.ctx - 1) / 2;
 
-    for w in 0..windows {
-        let win = &tokens[w * opts.ctx..(w + 1) * opts.ctx];
+    for win in tokens.chunks_exact(opts.ctx) {
         for c in caches.iter_mut() {
             c.add_sequence(0)?;
         }
@@ -122,12 +131,15 @@ pub fn evaluate(
             let n = opts.chunk.min(opts.ctx - c0);
             // Rows of this chunk with a target inside the window.
             let m = n.min(opts.ctx - 1 - c0);
-            let targets = &win[c0 + 1..c0 + 1 + m];
-            for (i, cache) in caches.iter_mut().enumerate() {
+            let (Some(chunk), Some(targets)) = (win.get(c0..c0 + n), win.get(c0 + 1..c0 + 1 + m))
+            else {
+                bail!("window chunk {c0}..{} outside the window", c0 + n);
+            };
+            for (i, (cache, acc)) in caches.iter_mut().zip(accs.iter_mut()).enumerate() {
                 cache.reserve(0, n)?;
                 let input = [SeqInput {
                     seq: 0,
-                    tokens: win[c0..c0 + n].to_vec(),
+                    tokens: chunk.to_vec(),
                 }];
                 let logits = model.forward(&input, cache, LogitsFor::All)?;
                 progress(n);
@@ -141,18 +153,17 @@ pub fn evaluate(
                     .to_vec1()?;
                 let vocab = lp.len() / m;
                 lp.par_chunks_mut(vocab).for_each(log_softmax);
-                let acc = &mut accs[i];
                 let rows: Vec<RowStats> = if i == 0 {
                     lp.par_chunks(vocab)
                         .zip(targets.par_iter())
                         .map(|(row, &t)| RowStats::alone(row, t))
-                        .collect()
+                        .collect::<Result<_>>()?
                 } else {
                     lp.par_chunks(vocab)
                         .zip(reference.par_chunks(vocab))
                         .zip(targets.par_iter())
                         .map(|((row, r), &t)| RowStats::against(row, r, t))
-                        .collect()
+                        .collect::<Result<_>>()?
                 };
                 for (j, r) in rows.iter().enumerate() {
                     acc.nll.push(r.nll);
@@ -200,18 +211,30 @@ struct RowStats {
     same: bool,
 }
 
+/// The log-probability of `target` in `lp`; a token the logits do not cover is refused.
+fn logprob(lp: &[f32], target: u32) -> Result<f64> {
+    match lp.get(target as usize) {
+        Some(&x) => Ok(x as f64),
+        None => bail!(
+            "token id {target} is outside the model's {} logits (the tokenizer does not match \
+             the model)",
+            lp.len()
+        ),
+    }
+}
+
 impl RowStats {
-    fn alone(lp: &[f32], target: u32) -> Self {
-        Self {
-            nll: -(lp[target as usize] as f64),
+    fn alone(lp: &[f32], target: u32) -> Result<Self> {
+        Ok(Self {
+            nll: -logprob(lp, target)?,
             kl: 0.0,
             dp: 0.0,
             same: true,
-        }
+        })
     }
 
     /// KL(ref ‖ this) = Σ p_ref (log p_ref − log p), in f64.
-    fn against(lp: &[f32], reference: &[f32], target: u32) -> Self {
+    fn against(lp: &[f32], reference: &[f32], target: u32) -> Result<Self> {
         let kl: f64 = reference
             .iter()
             .zip(lp)
@@ -220,26 +243,15 @@ impl RowStats {
                 r.exp() * (r - q as f64)
             })
             .sum();
-        let t = target as usize;
-        Self {
-            nll: -(lp[t] as f64),
+        let (p, p_ref) = (logprob(lp, target)?, logprob(reference, target)?);
+        Ok(Self {
+            nll: -p,
             // Rounding can make a tiny divergence come out a hair below zero.
             kl: kl.max(0.0),
-            dp: (lp[t] as f64).exp() - (reference[t] as f64).exp(),
+            dp: p.exp() - p_ref.exp(),
             same: argmax(lp) == argmax(reference),
-        }
+        })
     }
-}
-
-/// First index of the largest value.
-fn argmax(x: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best
 }
 
 fn report(s: &Setting, a: Acc, compared: bool) -> Report {
@@ -253,8 +265,11 @@ fn report(s: &Setting, a: Acc, compared: bool) -> Report {
         let k = kl.len();
         Divergence {
             kl_mean: kl.iter().sum::<f64>() / k as f64,
-            kl_p99: kl[((k as f64 * 0.99).ceil() as usize).clamp(1, k) - 1],
-            kl_max: kl[k - 1],
+            kl_p99: kl
+                .get(((k as f64 * 0.99).ceil() as usize).clamp(1, k) - 1)
+                .copied()
+                .unwrap_or(0.0),
+            kl_max: kl.last().copied().unwrap_or(0.0),
             delta_p_mean_pct: 100.0 * a.dp_sum / k as f64,
             same_top1_pct: 100.0 * a.same as f64 / k as f64,
         }
@@ -299,13 +314,13 @@ mod tests {
         // p_ref = [0.5, 0.25, 0.25], p = [0.25, 0.5, 0.25], target 1.
         let reference: Vec<f32> = [0.5f64, 0.25, 0.25].iter().map(|p| p.ln() as f32).collect();
         let lp: Vec<f32> = [0.25f64, 0.5, 0.25].iter().map(|p| p.ln() as f32).collect();
-        let r = RowStats::against(&lp, &reference, 1);
+        let r = RowStats::against(&lp, &reference, 1).unwrap();
         let kl = 0.5 * (0.5f64 / 0.25).ln() + 0.25 * (0.25f64 / 0.5).ln();
         assert!((r.kl - kl).abs() < 1e-6, "{} vs {kl}", r.kl);
         assert!((r.nll - 2f64.ln()).abs() < 1e-6);
         assert!((r.dp - 0.25).abs() < 1e-6);
         assert!(!r.same);
-        let same = RowStats::against(&reference, &reference, 0);
+        let same = RowStats::against(&reference, &reference, 0).unwrap();
         assert_eq!(same.kl, 0.0);
         assert!(same.same);
     }

@@ -234,12 +234,6 @@ fn table(rows: &[Row], peak_rss: Option<u64>) -> Table {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 mod tests {
     use super::parse_list;
 

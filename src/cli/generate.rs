@@ -24,7 +24,8 @@ use crate::engine::request::{Event, FinishReason, Request};
 use crate::engine::scheduler::{Engine, EngineConfig};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes, Stats};
 use crate::engine::text_stream::TextStream;
-use crate::kv::cache::{PagedKvCache, PoolSizing};
+use crate::kv::cache::prompt_file::ModelIdentity;
+use crate::kv::cache::{PagedKvCache, PoolSizing, SeqId};
 use crate::model::chat::{read_messages, Message};
 use crate::model::load::{load, LoadedModel};
 
@@ -229,7 +230,19 @@ impl Output {
     }
 }
 
-fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Output> {
+/// A generation under way: the engine holding the one request, how many prompt tokens came from
+/// --prompt-cache, and the model's identity when a prompt cache is read or written.
+struct Started<'m> {
+    engine: Engine<'m>,
+    id: SeqId,
+    cached: usize,
+    identity: Option<ModelIdentity>,
+    bytes_per_token: usize,
+}
+
+/// Sizes the cache for one sequence, checks --save-prompt-cache's path and reads
+/// --prompt-cache's prefix, then queues the request.
+fn start<'m>(args: &GenerateArgs, m: &'m LoadedModel, prompt: &[u32]) -> Result<Started<'m>> {
     let model = &m.model;
     let window = model.config().max_position_embeddings;
     crate::engine::request::check_fits(prompt.len(), window)?;
@@ -260,7 +273,7 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
     }
     let prefix = match (&args.prompt_cache, &identity) {
         (Some(path), Some(id)) => {
-            Some(CacheFiles::default().prefix_for(path, &prompt, id, cache.config())?)
+            Some(CacheFiles::default().prefix_for(path, prompt, id, cache.config())?)
         }
         _ => None,
     };
@@ -275,7 +288,7 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         },
     )?;
     let request = Request {
-        prompt: prompt.clone(),
+        prompt: prompt.to_vec(),
         params: args.sampling.params(),
         max_tokens,
         eos: m.tokenizer.eos_token_ids().to_vec(),
@@ -297,6 +310,23 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         engine.keep_prompt_kv(id);
     }
 
+    Ok(Started {
+        engine,
+        id,
+        cached,
+        identity,
+        bytes_per_token,
+    })
+}
+
+fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Output> {
+    let Started {
+        mut engine,
+        id,
+        cached,
+        identity,
+        bytes_per_token,
+    } = start(args, m, &prompt)?;
     let mut stream = TextStream::new(&m.tokenizer, args.sampling.stop.clone());
     let mut tokens = Vec::new();
     let mut printed = 0; // bytes of the text already on stdout

@@ -344,12 +344,6 @@ fn rewrite_locked(target: &Path, lines: &[String]) -> Result<File> {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 mod tests {
     use super::*;
 

@@ -7,6 +7,15 @@
 //! it adds beyond that prefix. While the new text ends in U+FFFD (an incomplete character) it is
 //! held back; `finish` flushes whatever is left, so nothing is ever lost.
 
+// Token ids come from the model and from prompts: no unwrap, expect or indexing that could panic on
+// them (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::Result;
 
 use crate::model::tokenizer::TextTokenizer;
@@ -36,12 +45,14 @@ impl<'a> Detokenizer<'a> {
     /// Adds one token; returns the text it completes (possibly empty).
     pub fn push(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
-        let prefix_text = self
-            .tok
-            .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
-        let new_text = self
-            .tok
-            .decode(&self.ids[self.prefix..], self.skip_special)?;
+        let prefix_text = self.tok.decode(
+            self.ids.get(self.prefix..self.read).unwrap_or(&[]),
+            self.skip_special,
+        )?;
+        let new_text = self.tok.decode(
+            self.ids.get(self.prefix..).unwrap_or(&[]),
+            self.skip_special,
+        )?;
         if new_text.len() > prefix_text.len() && !new_text.ends_with(REPLACEMENT) {
             if let Some(delta) = new_text.strip_prefix(prefix_text.as_str()) {
                 let delta = delta.to_string();
@@ -56,12 +67,14 @@ impl<'a> Detokenizer<'a> {
     /// Flushes text still held back (an incomplete character at the very end decodes as U+FFFD,
     /// as a full decode would show it).
     pub fn finish(&mut self) -> Result<String> {
-        let prefix_text = self
-            .tok
-            .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
-        let new_text = self
-            .tok
-            .decode(&self.ids[self.prefix..], self.skip_special)?;
+        let prefix_text = self.tok.decode(
+            self.ids.get(self.prefix..self.read).unwrap_or(&[]),
+            self.skip_special,
+        )?;
+        let new_text = self.tok.decode(
+            self.ids.get(self.prefix..).unwrap_or(&[]),
+            self.skip_special,
+        )?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
         Ok(match new_text.strip_prefix(prefix_text.as_str()) {

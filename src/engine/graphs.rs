@@ -23,7 +23,6 @@ use super::device_greedy::{argmax_into, picks_of};
 use crate::device::graph::{capture, kernel_nodes, replay};
 use crate::kv::attend::FixedStep;
 use crate::kv::cache::PagedKvCache;
-use crate::kv::format::LayerKv;
 use crate::model::llama::{Llama, SeqInput};
 
 /// Narrowest block-table width a graph is captured for.
@@ -85,10 +84,7 @@ impl DecodeGraphs {
     /// Whether `inputs` form a step graphs can take: one new token per sequence, all in the
     /// main pool, on a CUDA device, every layer on the fused decode kernel.
     pub fn takes(&self, model: &Llama, cache: &PagedKvCache, inputs: &[SeqInput]) -> bool {
-        let fused = |l: usize| match cache.layer_storage(l, true) {
-            LayerKv::Dense { .. } => true,
-            LayerKv::Affine { kfmt, vfmt, .. } => kfmt == vfmt,
-        };
+        let fused = |l: usize| cache.layer_storage(l, true).format().kv_alike();
         !self.broken
             && !inputs.is_empty()
             && cache.groups().len() == 1

@@ -1,5 +1,14 @@
 //! A generation request and what the engine reports about it.
 
+// Requests come from the command line, JSONL files and HTTP bodies: no unwrap, expect or indexing
+// that could panic on them (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::sync::Arc;
 
 use super::sampler::SamplingParams;

@@ -7,6 +7,15 @@
 //! first index winning exact ties, like the reference generations. Candidates are ordered by
 //! (logit desc, id asc) so ties are deterministic, and each request owns its seeded RNG.
 
+// The knobs come from the command line, JSONL lines and HTTP bodies: no unwrap, expect or
+// indexing that could panic on them (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::{bail, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -129,7 +138,7 @@ impl Sampler {
         }
         let start = history.len().saturating_sub(self.params.repeat_last_n);
         let mut seen = std::collections::HashSet::new();
-        for &id in &history[start..] {
+        for &id in history.iter().skip(start) {
             if !seen.insert(id) {
                 continue;
             }
@@ -161,8 +170,9 @@ impl Sampler {
         }
         cand.sort_unstable_by(order);
 
-        // Softmax over the survivors (max first, so the exponent never overflows).
-        let max = cand[0].1;
+        // Softmax over the survivors (max first, so the exponent never overflows); `row` is not
+        // empty, so neither is `cand`.
+        let max = cand.first().map_or(0.0, |c| c.1);
         let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
@@ -179,29 +189,35 @@ impl Sampler {
             }
         }
         if let Some(min_p) = self.params.min_p {
-            let floor = probs[0] * min_p;
+            let floor = probs.first().map_or(0.0, |p| p * min_p);
             keep = keep.min(probs.iter().take_while(|&&p| p >= floor).count().max(1));
         }
-        let probs = &probs[..keep];
-        let mass: f64 = probs.iter().sum();
+        let kept = || cand.iter().zip(&probs).take(keep);
+        let mass: f64 = kept().map(|(_, p)| p).sum();
         let mut u = self.rng.random::<f64>() * mass;
-        for (i, p) in probs.iter().enumerate() {
+        for (c, p) in kept() {
             if u < *p {
-                return cand[i].0;
+                return c.0;
             }
             u -= p;
         }
-        cand[keep - 1].0
+        cand.get(keep.saturating_sub(1)).map_or(0, |c| c.0)
     }
 }
 
-/// Index of the largest value; the first one on exact ties.
+/// Index of the largest value; the first one on exact ties (0 for an empty row).
 pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best = (0, row.first().copied().unwrap_or(0.0));
     for (i, &x) in row.iter().enumerate().skip(1) {
-        if x > row[best] {
-            best = i;
+        if x > best.1 {
+            best = (i, x);
         }
     }
-    best as u32
+    best.0 as u32
+}
+
+/// [`argmax`] of each row of `logits` (`[rows, vocab]`, any float dtype).
+pub fn argmax_rows(logits: &candle_core::Tensor) -> candle_core::Result<Vec<u32>> {
+    let rows: Vec<Vec<f32>> = logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+    Ok(rows.iter().map(|r| argmax(r)).collect())
 }

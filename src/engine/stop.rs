@@ -5,6 +5,15 @@
 //! released and the stop string itself (and anything after it) is dropped. The earliest match in
 //! the text wins when several stop strings occur.
 
+// Stop strings come from the command line, JSONL files and HTTP bodies: no unwrap, expect or
+// indexing that could panic on them (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 /// Finds stop strings across chunk boundaries.
 pub struct StopMatcher {
     stops: Vec<String>,

@@ -1,6 +1,15 @@
 //! The text of one request as its tokens arrive: incremental detokenization followed by stop
 //! strings, so what a caller sees never contains a stop string or a broken UTF-8 character.
 
+// Stop strings come from the command line, JSONL files and HTTP bodies: no unwrap, expect or
+// indexing that could panic on them (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use anyhow::Result;
 
 use super::detok::Detokenizer;

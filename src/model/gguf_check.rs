@@ -264,12 +264,6 @@ pub fn check_file(path: &std::path::Path) -> std::io::Result<Result<u64, HeaderE
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 mod tests {
     use super::*;
 

@@ -314,12 +314,6 @@ fn resolve_offline(spec: &Spec, cache: &Cache, repo: Repo) -> Result<HubModel> {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 mod tests {
     use super::*;
 

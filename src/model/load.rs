@@ -23,10 +23,11 @@ use super::config::ModelConfig;
 use super::fetch;
 use super::fingerprint::WeightSource;
 use super::hub::{self, HubModel, ModelFiles};
+use super::linear::WeightMath;
 use super::llama::Llama;
 use super::options::{LoadFormat, ModelOptions};
 use super::tokenizer::TextTokenizer;
-use super::weights::{GgufMath, WeightMath, Weights};
+use super::weights::{GgufMath, Weights};
 use crate::kv::cache::prompt_file::ModelIdentity;
 
 pub struct LoadedModel {

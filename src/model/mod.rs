@@ -9,6 +9,7 @@ pub mod fused;
 pub mod gemv;
 pub mod gguf_check;
 pub mod hub;
+pub mod linear;
 pub mod llama;
 pub mod load;
 pub mod options;

@@ -1,6 +1,15 @@
 //! Which model to run and how to load it, as plain data (the CLI's model flags convert into
 //! this; nothing below the CLI reads clap types).
 
+// The options come from the command line: no unwrap, expect or indexing that could panic on them
+// (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use super::config::ModelConfig;
 use candle_core::{DType, Device};
 use std::path::PathBuf;

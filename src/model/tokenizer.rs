@@ -24,6 +24,7 @@
     clippy::panic
 )]
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -135,57 +136,9 @@ impl TextTokenizer {
             None => false,
         };
         let mut inner = if model == "llama" {
-            let scores: Vec<f32> = match get("tokenizer.ggml.scores") {
-                None => bail!("GGUF SentencePiece tokenizer has no tokenizer.ggml.scores"),
-                Some(v) => v
-                    .to_vec()
-                    .context("tokenizer.ggml.scores is not an array")?
-                    .iter()
-                    .map(|s| s.to_f32())
-                    .collect::<std::result::Result<_, _>>()
-                    .context("tokenizer.ggml.scores holds a non-f32")?,
-            };
-            if scores.len() != tokens.len() {
-                bail!(
-                    "GGUF tokenizer has {} tokens but {} scores",
-                    tokens.len(),
-                    scores.len()
-                );
-            }
-            let add_space_prefix = match get("tokenizer.ggml.add_space_prefix") {
-                Some(v) => v
-                    .to_bool()
-                    .context("tokenizer.ggml.add_space_prefix is not a bool")?,
-                None => true, // llama.cpp's default for SentencePiece
-            };
-            super::tokenizer_spm::tokenizer(&tokens, &scores, unk_id, add_space_prefix)?
+            gguf_sentencepiece(md, &tokens, unk_id)?
         } else {
-            let pre = match get("tokenizer.ggml.pre") {
-                Some(v) => v
-                    .to_string()
-                    .context("tokenizer.ggml.pre is not a string")?
-                    .clone(),
-                None => "default".to_string(),
-            };
-            let pre_tokenizer = pre_tokenizer_for(&pre)?;
-
-            let mut vocab = ahash::AHashMap::with_capacity(tokens.len());
-            for (id, tok) in tokens.iter().enumerate() {
-                // Duplicate strings exist in some vocabularies; the first id wins, as in llama.cpp.
-                vocab.entry(tok.clone()).or_insert(id as u32);
-            }
-            let mut builder = BPE::builder().vocab_and_merges(vocab, merges);
-            if let Some(unk) = unk_id.and_then(|id| tokens.get(id as usize)) {
-                builder = builder.unk_token(unk.clone());
-            }
-            let bpe = builder
-                .build()
-                .map_err(|e| anyhow!("building the BPE model from GGUF: {e}"))?;
-
-            let mut inner = Tokenizer::new(bpe);
-            inner.with_pre_tokenizer(Some(pre_tokenizer));
-            inner.with_decoder(Some(ByteLevelDecoder::default()));
-            inner
+            gguf_bpe(md, &tokens, merges, unk_id)?
         };
         let special: Vec<AddedToken> = tokens
             .iter()
@@ -410,6 +363,77 @@ impl TextTokenizer {
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
     }
+}
+
+/// The SentencePiece model ("llama") of a GGUF vocabulary: scores from `tokenizer.ggml.scores`,
+/// rebuilt by [`super::tokenizer_spm`].
+fn gguf_sentencepiece(
+    md: &HashMap<String, gguf_file::Value>,
+    tokens: &[String],
+    unk_id: Option<u32>,
+) -> Result<Tokenizer> {
+    let get = |key: &str| md.get(key);
+    let scores: Vec<f32> = match get("tokenizer.ggml.scores") {
+        None => bail!("GGUF SentencePiece tokenizer has no tokenizer.ggml.scores"),
+        Some(v) => v
+            .to_vec()
+            .context("tokenizer.ggml.scores is not an array")?
+            .iter()
+            .map(|s| s.to_f32())
+            .collect::<std::result::Result<_, _>>()
+            .context("tokenizer.ggml.scores holds a non-f32")?,
+    };
+    if scores.len() != tokens.len() {
+        bail!(
+            "GGUF tokenizer has {} tokens but {} scores",
+            tokens.len(),
+            scores.len()
+        );
+    }
+    let add_space_prefix = match get("tokenizer.ggml.add_space_prefix") {
+        Some(v) => v
+            .to_bool()
+            .context("tokenizer.ggml.add_space_prefix is not a bool")?,
+        None => true, // llama.cpp's default for SentencePiece
+    };
+    super::tokenizer_spm::tokenizer(tokens, &scores, unk_id, add_space_prefix)
+}
+
+/// The byte-level BPE model ("gpt2") of a GGUF vocabulary, its pre-tokenizer chosen by
+/// `tokenizer.ggml.pre`.
+fn gguf_bpe(
+    md: &HashMap<String, gguf_file::Value>,
+    tokens: &[String],
+    merges: Vec<(String, String)>,
+    unk_id: Option<u32>,
+) -> Result<Tokenizer> {
+    let get = |key: &str| md.get(key);
+    let pre = match get("tokenizer.ggml.pre") {
+        Some(v) => v
+            .to_string()
+            .context("tokenizer.ggml.pre is not a string")?
+            .clone(),
+        None => "default".to_string(),
+    };
+    let pre_tokenizer = pre_tokenizer_for(&pre)?;
+
+    let mut vocab = ahash::AHashMap::with_capacity(tokens.len());
+    for (id, tok) in tokens.iter().enumerate() {
+        // Duplicate strings exist in some vocabularies; the first id wins, as in llama.cpp.
+        vocab.entry(tok.clone()).or_insert(id as u32);
+    }
+    let mut builder = BPE::builder().vocab_and_merges(vocab, merges);
+    if let Some(unk) = unk_id.and_then(|id| tokens.get(id as usize)) {
+        builder = builder.unk_token(unk.clone());
+    }
+    let bpe = builder
+        .build()
+        .map_err(|e| anyhow!("building the BPE model from GGUF: {e}"))?;
+
+    let mut inner = Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
 }
 
 /// The pre-tokenizer llama.cpp applies for a GGUF `tokenizer.ggml.pre` value.

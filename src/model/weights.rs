@@ -18,14 +18,14 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::config::{Arch, ModelConfig};
+use super::linear::{Embedding, Linear, Weight};
 use crate::ops::gguf::QMatrix;
-use crate::ops::row_matmul;
 
 /// A decoder tensor, by role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,133 +132,6 @@ pub enum GgufMath {
     Blocks,
     /// candle's QMatMul (activations rounded to 8-bit blocks; `--keep-quantized`, and GPUs).
     Candle,
-}
-
-/// What a projection's matmul computes (its K/V differ from the others').
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightMath {
-    /// Dense weights (safetensors, dummy, `--dequantize`).
-    Dense,
-    /// GGUF blocks through kvq's kernels.
-    Blocks,
-    /// GGUF blocks through candle's QMatMul.
-    Quantized,
-}
-
-#[derive(Debug, Clone)]
-enum Weight {
-    Candle(QMatMul),
-    Blocks(Arc<QMatrix>),
-}
-
-/// A projection `y = x Wᵀ (+ b)`; W quantized (GGUF) or dense.
-#[derive(Debug, Clone)]
-pub struct Linear {
-    w: Weight,
-    b: Option<Tensor>,
-}
-
-impl Linear {
-    fn candle(w: QMatMul, b: Option<Tensor>) -> Self {
-        Self {
-            w: Weight::Candle(w),
-            b,
-        }
-    }
-
-    /// How the weight is multiplied.
-    pub fn math(&self) -> WeightMath {
-        match &self.w {
-            Weight::Candle(QMatMul::QTensor(_)) => WeightMath::Quantized,
-            Weight::Candle(_) => WeightMath::Dense,
-            Weight::Blocks(_) => WeightMath::Blocks,
-        }
-    }
-
-    /// The weight `[out, in]` where it is a dense tensor (not GGUF blocks).
-    pub fn dense_weight(&self) -> Option<&Tensor> {
-        match &self.w {
-            Weight::Candle(QMatMul::Tensor(w)) => Some(w),
-            _ => None,
-        }
-    }
-
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.b.as_ref()
-    }
-
-    /// The projections `parts` stacked along their outputs (`[Σ out, in]`, outputs in `parts`'
-    /// order), so one matmul launch computes them all; `None` where they cannot be stacked
-    /// (kvq's CPU block kernels, mixed GGUF types or input widths, some with a bias and some
-    /// without). GGUF weights stack as their raw blocks: each output row is a whole run of
-    /// blocks, so the stacked rows are the parts' rows, bit for bit.
-    pub fn stacked(parts: &[&Linear]) -> Result<Option<Linear>> {
-        let biases: Vec<&Tensor> = parts.iter().filter_map(|l| l.b.as_ref()).collect();
-        if parts.is_empty() || !(biases.is_empty() || biases.len() == parts.len()) {
-            return Ok(None);
-        }
-        let b = match biases.is_empty() {
-            true => None,
-            false => Some(Tensor::cat(&biases, 0)?),
-        };
-        let qs: Vec<&QTensor> = parts
-            .iter()
-            .filter_map(|l| match &l.w {
-                Weight::Candle(QMatMul::QTensor(q)) => Some(q.as_ref()),
-                _ => None,
-            })
-            .collect();
-        if let (true, Some(first)) = (qs.len() == parts.len(), qs.first()) {
-            let (dtype, dims) = (first.dtype(), first.shape().dims2()?);
-            let mut rows = 0;
-            let mut data = Vec::new();
-            for q in &qs {
-                let (r, c) = q.shape().dims2()?;
-                if q.dtype() != dtype || c != dims.1 {
-                    return Ok(None);
-                }
-                rows += r;
-                data.extend_from_slice(&q.data()?);
-            }
-            let dev = first.device();
-            let storage = QStorage::from_data(std::borrow::Cow::Owned(data), &dev, dtype)?;
-            let q = QTensor::new(storage, (rows, dims.1))?;
-            return Ok(Some(Linear::candle(QMatMul::from_qtensor(q)?, b)));
-        }
-        let ws: Vec<&Tensor> = parts
-            .iter()
-            .filter_map(|l| match &l.w {
-                Weight::Candle(QMatMul::Tensor(w)) => Some(w),
-                _ => None,
-            })
-            .collect();
-        let width = ws.first().and_then(|w| w.dim(1).ok());
-        if ws.len() == parts.len() && ws.iter().all(|w| w.dim(1).ok() == width) {
-            return Ok(Some(Linear::candle(
-                QMatMul::Tensor(Tensor::cat(&ws, 0)?),
-                b,
-            )));
-        }
-        Ok(None)
-    }
-
-    /// `x`: [T, in] → [T, out]. Dense weights on the CPU (f32, f16, bf16) go through
-    /// [`row_matmul`](crate::ops::row_matmul), GGUF blocks through [`crate::ops::gguf`] (same
-    /// summation order), so each output row depends only on its own input row, however many rows
-    /// share the call (batch invariance; it is also faster than candle's gemm at these shapes).
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = match &self.w {
-            Weight::Blocks(m) => m.matmul_t(x)?,
-            Weight::Candle(QMatMul::Tensor(w)) if row_matmul::supports(x, w) => {
-                row_matmul::matmul_t(x, w)?
-            }
-            Weight::Candle(w) => w.forward(x)?,
-        };
-        match &self.b {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
-        }
-    }
 }
 
 struct GgufSource {
@@ -498,7 +371,7 @@ impl Weights {
                 (Weight::Candle(QMatMul::Tensor(w)), b)
             }
         };
-        Ok(Linear { w, b })
+        Ok(Linear::new(w, b))
     }
 
     /// The token embeddings `[vocab, hidden]`: kept in their GGUF blocks where the model's
@@ -531,44 +404,21 @@ impl Weights {
             return self.linear(Name::LmHead, hidden, vocab, false);
         }
         let dense = match embed {
-            Embedding::Blocks(m, _) => {
-                return Ok(Linear {
-                    w: Weight::Blocks(m.clone()),
-                    b: None,
-                })
-            }
+            Embedding::Blocks(m, _) => return Ok(Linear::new(Weight::Blocks(m.clone()), None)),
             Embedding::Dense(t) => t,
         };
         if let Source::Gguf(g) = &mut self.source {
             if g.math == GgufMath::Candle {
                 let q = g.qtensor("token_embd.weight", &self.device)?;
                 if !is_float(q.dtype()) {
-                    return Ok(Linear::candle(QMatMul::from_qtensor(q)?, None));
+                    return Ok(Linear::new(Weight::Candle(QMatMul::from_qtensor(q)?), None));
                 }
             }
         }
-        Ok(Linear::candle(QMatMul::Tensor(dense.clone()), None))
-    }
-}
-
-/// The token-embedding table.
-#[derive(Debug, Clone)]
-pub enum Embedding {
-    Dense(Tensor),
-    /// GGUF blocks (CPU), looked-up rows widened to f32 then cast to this dtype.
-    Blocks(Arc<QMatrix>, DType),
-}
-
-impl Embedding {
-    /// Rows `ids` (`[T]` u32) → `[T, hidden]`.
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        Ok(match self {
-            Embedding::Dense(t) => t.index_select(ids, 0)?,
-            Embedding::Blocks(m, dtype) => {
-                let ids: Vec<u32> = ids.to_vec1()?;
-                m.rows(&ids)?.to_dtype(*dtype)?
-            }
-        })
+        Ok(Linear::new(
+            Weight::Candle(QMatMul::Tensor(dense.clone())),
+            None,
+        ))
     }
 }
 

@@ -2,3 +2,4 @@
 
 pub mod gguf;
 pub mod row_matmul;
+pub(crate) mod tiles;

@@ -16,9 +16,9 @@
 //! is the same in every call on one machine. f16/bf16 operands are widened exactly to f32 (`x`
 //! once, `W` as it is read) and the f32 result rounded once to the operands' dtype.
 
+use super::tiles::{for_each_tile, Tile};
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{avx2, avx512};
@@ -87,19 +87,6 @@ fn cpu_slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
     Ok(&T::cpu_storage_as_slice(s)?[a..b])
 }
 
-/// The output pointer, shared by tasks that write disjoint tiles.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint elements (one tile each) and `run` outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// `y = x·Wᵀ` on slices: `x` `[m, k]`, `w` `[n, k]`, `y` `[m, n]`, row-major.
 pub(crate) fn run<T: Elem>(
     x: &[f32],
@@ -114,38 +101,19 @@ pub(crate) fn run<T: Elem>(
     if m == 0 || n == 0 {
         return;
     }
-    let (tm, tn) = (m.div_ceil(MC), n.div_ceil(NC));
-    let out = OutPtr(y.as_mut_ptr());
-    (0..tm * tn).into_par_iter().for_each(|t| {
-        let (i0, j0) = (t % tm * MC, t / tm * NC);
-        let tile = Tile {
-            rows: (i0, (i0 + MC).min(m)),
-            cols: (j0, (j0 + NC).min(n)),
-            n,
-            k,
-        };
+    for_each_tile(y, (m, n, k), (MC, NC), |y, tile| {
         // SAFETY: the slices hold m·k, n·k and m·n values (asserted above); tiles are disjoint;
         // an ISA runs only after its detection.
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => tile_avx512(x, w, out.get(), tile),
+                Isa::Avx512 => tile_avx512(x, w, y, tile),
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => tile_avx2(x, w, out.get(), tile),
-                Isa::Portable => tile_run::<Portable, T>(x, w, out.get(), tile),
+                Isa::Avx2 => tile_avx2(x, w, y, tile),
+                Isa::Portable => tile_run::<Portable, T>(x, w, y, tile),
             }
         }
     });
-}
-
-/// Rows `rows.0..rows.1` of `x` times rows `cols.0..cols.1` of `W`.
-#[derive(Clone, Copy)]
-struct Tile {
-    rows: (usize, usize),
-    cols: (usize, usize),
-    /// Row length of `y` and of `x`, `W`.
-    n: usize,
-    k: usize,
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -370,12 +370,6 @@ fn boolean(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> 
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 mod tests {
     use super::*;
 

@@ -1,5 +1,5 @@
-//! `kvq serve`: the engine behind an OpenAI-compatible HTTP API (DESIGN.md §11: generate,
-//! batch-generate and serve are three front ends of one engine).
+//! `kvq serve`: the engine behind an OpenAI-compatible HTTP API (generate, batch-generate and
+//! serve are three front ends of one engine: docs/ARCHITECTURE.md).
 //!
 //! Two sides joined by channels: the engine thread ([`worker`]) owns the model and the KV
 //! cache and runs steps; a tokio runtime serves HTTP ([`routes`]) and turns requests into jobs.

@@ -1,5 +1,14 @@
 //! The OpenAI response objects: whole answers, stream chunks and `usage`.
 
+// Answers carry what HTTP bodies asked for: no unwrap, expect or indexing that could panic on them
+// (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use serde_json::{json, Map, Value};
 
 use super::api::Endpoint;

@@ -6,6 +6,15 @@
 //! disconnected: its blocks go back to the pool before the next step), (3) runs one engine step
 //! and forwards its tokens as text. With nothing to do it sleeps on the job channel.
 
+// Jobs come from HTTP bodies: no unwrap, expect or indexing that could panic on them (issue 21;
+// clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -21,7 +30,7 @@ use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::Engine;
 use crate::engine::text_stream::TextStream;
 use crate::kv::cache::SeqId;
-use crate::kv::format::KvFormat;
+use crate::kv::format::tag::format_label;
 use crate::model::load::LoadedModel;
 
 /// One request handed to the engine thread.
@@ -333,25 +342,14 @@ struct PoolLabel {
 fn pool_labels(engine: &Engine<'_>) -> Vec<PoolLabel> {
     let cache = engine.cache();
     let cfg = cache.config();
-    let name = |f: &KvFormat| match f {
-        KvFormat::Dense(d) => format!("dense-{d:?}").to_lowercase(),
-        KvFormat::Affine {
-            key,
-            value,
-            rotated,
-            ..
-        } => format!(
-            "{}-k{}-v{}-g{}",
-            if *rotated { "rotated" } else { "affine" },
-            key.bits(),
-            value.bits(),
-            key.group_size()
-        ),
-    };
     let mut out = Vec::new();
     for (g, lg) in cache.groups().iter().enumerate() {
         let suffix = lg.window.map_or(String::new(), |w| format!("-window-{w}"));
-        let mut names: Vec<String> = lg.layers.iter().map(|&l| name(&cfg.formats[l])).collect();
+        let mut names: Vec<String> = lg
+            .layers
+            .iter()
+            .filter_map(|&l| cfg.formats.get(l).map(format_label))
+            .collect();
         names.dedup();
         let main = if names.len() == 1 {
             names.remove(0)

@@ -21,6 +21,7 @@ mod batch_logits;
 mod cli_bench_batch;
 mod cli_bench_kv_cache;
 mod cli_errors;
+mod code_size;
 #[cfg(feature = "cuda")]
 mod cuda_graphs;
 mod fuzz_parsers;

@@ -317,7 +317,7 @@ fn fully_windowed_model_holds_a_flat_cache() {
             tokens: vec![token],
         }];
         let logits = m.model.forward(&inp, &mut cache, LogitsFor::Last).unwrap();
-        token = kvq::model::llama::argmax_rows(&logits).unwrap()[0];
+        token = kvq::engine::sampler::argmax_rows(&logits).unwrap()[0];
         held.push(cache.bytes_in_use());
     }
     // A new block is taken before the oldest leaves: one or two blocks of 16, never more.

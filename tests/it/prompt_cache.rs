@@ -373,3 +373,35 @@ fn set_metadata(path: &Path, key: &str, value: &str) -> Vec<u8> {
     out.extend(&bytes[8 + n..]);
     out
 }
+
+/// A prompt cache depends on the prompt and the settings alone: two runs, one of them on a
+/// single thread, save the same bytes (the header's keys in a fixed order, rows whose sums do not
+/// depend on how the work was split), dense and 4-bit.
+#[test]
+fn the_same_prompt_is_saved_as_the_same_bytes_by_every_run() {
+    let dir = tempfile::tempdir().unwrap();
+    for kv in [&[][..], &["--kv-bits", "4"][..]] {
+        let save_with = |name: &str, threads: &str| -> Vec<u8> {
+            let path = dir.path().join(name);
+            let mut args = vec!["generate", "--raw", "--temp", "0", "--max-tokens", "1"];
+            args.extend(kv);
+            args.extend([
+                "--save-prompt-cache",
+                path.to_str().unwrap(),
+                "--force",
+                SHORT,
+            ]);
+            let mut cmd = std::process::Command::new(kvq_bin());
+            cmd.args(&args);
+            if !threads.is_empty() {
+                cmd.env("RAYON_NUM_THREADS", threads);
+            }
+            let o = cmd.output().unwrap();
+            assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+            std::fs::read(&path).unwrap()
+        };
+        let a = save_with("a.safetensors", "");
+        let b = save_with("b.safetensors", "1");
+        assert!(a == b, "{kv:?}: two saves of one prompt differ");
+    }
+}

@@ -1,6 +1,6 @@
 //! The GGUF tokenizer and the chat template against the reference data of the default model.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file;
 use kvq::model::chat::{ChatTemplate, Message};
@@ -9,11 +9,9 @@ use serde_json::Value;
 
 use crate::common::reference_dir;
 
+/// The default model, fetched first if no test has yet (these tests may run before any other).
 fn model_path() -> PathBuf {
-    let home = std::env::var_os("KVQ_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(&std::env::var("HOME").unwrap()).join(".cache/kvq"));
-    home.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+    kvq::model::fetch::default_model().unwrap()
 }
 
 fn tokenizer() -> TextTokenizer {

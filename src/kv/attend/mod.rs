@@ -4,7 +4,7 @@
 //! (no padding, no shared offset). Grouped-query attention folds the query heads that share a KV
 //! head into the row dimension of one matmul, so K/V are never repeated per query head. Scores,
 //! mask and softmax are computed in f32 whatever the cache dtype. Layers stored rotated
-//! (`kv::rotation`) attend in the rotated space: the query is rotated in, the output back.
+//! (`kv::format::rotation`) attend in the rotated space: the query is rotated in, the output back.
 
 pub mod decode;
 pub mod dense;

@@ -3,6 +3,15 @@
 //! ([`KvOptions::cache_config`]) that every subcommand uses, and sized by one rule per use
 //! ([`PoolSizing`]).
 
+// The options come from the command line: no unwrap, expect or indexing that could panic on them
+// (issue 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use candle_core::DType;
 
 use crate::kv::format::rotation::Rotation;

@@ -494,10 +494,4 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 mod tests;

@@ -48,7 +48,7 @@ impl PagedKvCache {
                     .expect("staging sequence has a staging pool");
                 for (at, &l) in self.layout[g].layers.iter().enumerate() {
                     let from = &staging.layers[at];
-                    let (k, v) = from.gather(&src, staging_dtype(from))?;
+                    let (k, v) = from.gather(&src, from.format().value_dtype())?;
                     let (k, v) = match self.rotation(l, true) {
                         Some(r) => (r.rotate(&k)?, r.rotate(&v)?),
                         None => (k, v),
@@ -64,13 +64,5 @@ impl PagedKvCache {
         st.pool = Pool::Main;
         st.tables = tables;
         Ok(())
-    }
-}
-
-/// The dtype a layer's rows are read back in (dense: its values; affine: its scales).
-fn staging_dtype(l: &LayerKv) -> DType {
-    match l {
-        LayerKv::Dense { k, .. } => k.dtype(),
-        LayerKv::Affine { k, .. } => k.scales.dtype(),
     }
 }

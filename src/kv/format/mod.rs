@@ -41,7 +41,7 @@ pub enum KvFormat {
     /// Affine group quantization, K and V each in their own format (keys are the sensitive
     /// half: softmax turns key error into weight error); scales and biases in `scale_dtype`.
     /// `rotated`: head vectors are stored rotated by the cache's randomized Hadamard transform
-    /// (see `kv::rotation`).
+    /// (see `kv::format::rotation`).
     Affine {
         key: QuantFormat,
         value: QuantFormat,
@@ -76,6 +76,24 @@ impl KvFormat {
                 key.check_dim(head_dim)?;
                 value.check_dim(head_dim)
             }
+        }
+    }
+
+    /// The float dtype of the format's values: dense values, or affine scales and biases (rows
+    /// are read back in it).
+    pub fn value_dtype(&self) -> DType {
+        match self {
+            KvFormat::Dense(dt) => *dt,
+            KvFormat::Affine { scale_dtype, .. } => *scale_dtype,
+        }
+    }
+
+    /// Whether K and V are stored alike: dense, or one affine width for both (what the fused
+    /// decode kernels of fixed GPU steps take).
+    pub fn kv_alike(&self) -> bool {
+        match self {
+            KvFormat::Dense(_) => true,
+            KvFormat::Affine { key, value, .. } => key == value,
         }
     }
 

@@ -1,5 +1,6 @@
-//! Scalar building blocks shared by the fused CPU kernel: the per-group parameters of DESIGN §4,
-//! code rounding, and the LSB-first bit-stream packing of 32 codes into `B` u32 words.
+//! Scalar building blocks shared by the fused CPU kernel: the per-group parameters of the format
+//! (docs/ARCHITECTURE.md, "Decisions"), code rounding, and the LSB-first bit-stream packing of 32
+//! codes into `B` u32 words.
 //!
 //! Every allowed group size is a multiple of 32, so a group is a whole number of 32-code chunks
 //! and a chunk of 32 `B`-bit codes is exactly `B` words: packing never crosses a chunk. `B` is a
@@ -10,7 +11,8 @@
 /// call on baseline x86-64.
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
-/// Scale and bias of one group, in f32, exactly as MLX computes them (DESIGN §4).
+/// Scale and bias of one group, in f32, exactly as MLX computes them (docs/ARCHITECTURE.md,
+/// "Decisions").
 #[inline]
 pub(crate) fn group_params(wmin: f32, wmax: f32, n: f32) -> (f32, f32) {
     let side = wmin.abs() > wmax.abs();

@@ -344,6 +344,87 @@ impl LayerRows {
 }
 
 impl LayerKv {
+    /// Slots and values per row of this pool, after checking that it is a well-formed pool for
+    /// heads of `head_dim` values: dense K and V `[slots, width]` of one float dtype, or the
+    /// codes, scales and biases of its affine formats, K and V alike in slots, width and scale
+    /// dtype. A malformed pool gets `err` of what is wrong.
+    pub fn check_pool(
+        &self,
+        head_dim: usize,
+        err: impl Fn(String) -> candle_core::Error,
+    ) -> Result<(usize, usize)> {
+        Ok(match self {
+            LayerKv::Dense { k, v } => {
+                if k.dims() != v.dims() || k.dtype() != v.dtype() || k.rank() != 2 {
+                    return Err(err(format!(
+                        "dense K {:?} {:?} and V {:?} {:?} must both be [slots, width] of one dtype",
+                        k.dims(),
+                        k.dtype(),
+                        v.dims(),
+                        v.dtype()
+                    )));
+                }
+                if !matches!(k.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+                    return Err(err(format!(
+                        "dense cache must be f32, f16 or bf16, got {:?}",
+                        k.dtype()
+                    )));
+                }
+                (k.dim(0)?, k.dim(1)?)
+            }
+            LayerKv::Affine {
+                kfmt, vfmt, k, v, ..
+            } => {
+                let mut widths = Vec::with_capacity(2);
+                for (name, t, fmt) in [("K", k, kfmt), ("V", v, vfmt)] {
+                    fmt.check_dim(head_dim)
+                        .map_err(|e| err(format!("{name}: {e}")))?;
+                    let ok = t.codes.rank() == 2
+                        && t.codes.dtype() == DType::U32
+                        && t.scales.rank() == 2
+                        && t.scales.dims() == t.biases.dims()
+                        && t.scales.dtype() == t.biases.dtype()
+                        && t.codes.dim(0)? == t.scales.dim(0)?
+                        && matches!(t.scales.dtype(), DType::F32 | DType::F16 | DType::BF16);
+                    if !ok {
+                        return Err(err(format!(
+                            "quantized {name}: codes {:?} {:?}, scales {:?} {:?}, biases {:?} {:?} are not a {fmt} pool",
+                            t.codes.dims(), t.codes.dtype(), t.scales.dims(), t.scales.dtype(),
+                            t.biases.dims(), t.biases.dtype()
+                        )));
+                    }
+                    let w = t.scales.dim(1)? * fmt.group_size();
+                    if t.codes.dim(1)? != fmt.words_per_row(w) {
+                        return Err(err(format!(
+                            "quantized {name} codes have {} words per row; {fmt} needs {} for width {w}",
+                            t.codes.dim(1)?,
+                            fmt.words_per_row(w)
+                        )));
+                    }
+                    widths.push(w);
+                }
+                if k.codes.dim(0)? != v.codes.dim(0)?
+                    || widths[0] != widths[1]
+                    || k.scales.dtype() != v.scales.dtype()
+                {
+                    return Err(err(
+                        "quantized K and V pools differ in slots, width or scale dtype".into(),
+                    ));
+                }
+                (k.codes.dim(0)?, widths[0])
+            }
+        })
+    }
+
+    /// Whether the pool's tensors are on `dev`.
+    pub fn is_on(&self, dev: &Device) -> bool {
+        let on = |t: &Tensor| t.device().same_device(dev);
+        match self {
+            LayerKv::Dense { k, v } => on(k) && on(v),
+            LayerKv::Affine { k, v, .. } => on(&k.codes) && on(&v.codes),
+        }
+    }
+
     /// The format of this layer's slots.
     pub fn format(&self) -> KvFormat {
         match self {

@@ -1,9 +1,38 @@
 //! The names of formats: tags in prompt-cache files (`kvq.layers`), the tensors a layer's rows
-//! are stored as, and the wording of messages.
+//! are stored as, the wording of messages and the labels of `serve`'s metrics.
+
+// Tags come from prompt-cache files: no unwrap, expect or indexing that could panic on them (issue
+// 21; clippy enforces it in CI).
+#![warn(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use candle_core::DType;
 
 use super::{KvFormat, QuantFormat};
+
+/// A format as `serve`'s `/metrics` labels a pool: `dense-f16`, `affine-k4-v4-g64`,
+/// `rotated-k8-v8-g64`.
+pub fn format_label(f: &KvFormat) -> String {
+    match f {
+        KvFormat::Dense(d) => format!("dense-{d:?}").to_lowercase(),
+        KvFormat::Affine {
+            key,
+            value,
+            rotated,
+            ..
+        } => format!(
+            "{}-k{}-v{}-g{}",
+            if *rotated { "rotated" } else { "affine" },
+            key.bits(),
+            value.bits(),
+            key.group_size()
+        ),
+    }
+}
 
 /// A format as written in `kvq.layers`.
 pub fn format_tag(f: &KvFormat) -> String {

@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use super::{Block, GateUpProj, Llama, QkvProj, Rope, Step, Writes};
 use crate::kv::attend::paged_attention;
 use crate::model::gemv::{self, Epilogue};
-use crate::model::weights::Linear;
+use crate::model::linear::Linear;
 
 impl Llama {
     /// Whether a pass of `rows` rows runs on the fused projections ([`gemv`]).

@@ -10,10 +10,9 @@
 //! across the rows of `x` in registers) and the split into tiles only decide which elements are
 //! computed together.
 
-use rayon::prelude::*;
-
 use super::blocks::{widen, Block};
 use super::codes::Codes;
+use crate::ops::tiles::{for_each_tile, Tile};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{avx2::Avx2, avx512::Avx512};
 use crate::simd::{Isa, Portable};
@@ -26,30 +25,6 @@ const NR: usize = 4;
 const MC: usize = 64;
 /// Rows of `W` per tile (one rayon task with at most [`MC`] rows of `x`).
 const NC: usize = 32;
-
-/// The output pointer, shared by tasks that write disjoint tiles.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint elements (one tile each) and `run` outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-/// A tile: rows `rows.0..rows.1` of `x` times rows `cols.0..cols.1` of `W`.
-#[derive(Clone, Copy)]
-struct Tile {
-    rows: (usize, usize),
-    cols: (usize, usize),
-    /// Row length of `y`.
-    n: usize,
-    /// Row length of `x` (elements) and of `W` (blocks · [`Block::ELEMS`]).
-    k: usize,
-}
 
 /// `y = x·Wᵀ`: `x` `[m, k]` f32, `w` `[n, k]` in blocks of `B` (`n` rows of `k / B::ELEMS`
 /// blocks), `y` `[m, n]`, row-major, with the vector implementation `isa` (which the CPU must
@@ -77,25 +52,16 @@ pub(crate) fn run<B: Block>(
         y.fill(0.0);
         return;
     }
-    let (tm, tn) = (m.div_ceil(MC), n.div_ceil(NC));
-    let out = OutPtr(y.as_mut_ptr());
-    (0..tm * tn).into_par_iter().for_each(|t| {
-        let (i0, j0) = (t % tm * MC, t / tm * NC);
-        let tile = Tile {
-            rows: (i0, (i0 + MC).min(m)),
-            cols: (j0, (j0 + NC).min(n)),
-            n,
-            k,
-        };
+    for_each_tile(y, (m, n, k), (MC, NC), |y, tile| {
         // SAFETY: the slices hold m·k values, n rows of blocks and m·n values (asserted above);
         // tiles are disjoint; an ISA runs only after its detection.
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => tile_avx512::<B>(x, w, out.get(), tile),
+                Isa::Avx512 => tile_avx512::<B>(x, w, y, tile),
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => tile_avx2::<B>(x, w, out.get(), tile),
-                Isa::Portable => tile_run::<Portable, B>(x, w, out.get(), tile),
+                Isa::Avx2 => tile_avx2::<B>(x, w, y, tile),
+                Isa::Portable => tile_run::<Portable, B>(x, w, y, tile),
             }
         }
     });

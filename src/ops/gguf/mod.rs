@@ -1,5 +1,4 @@
-//! GGUF weights multiplied at their stored size on the CPU (DESIGN.md §11: "CPU weights stay at
-//! their stored size").
+//! GGUF weights multiplied at their stored size on the CPU.
 //!
 //! A decode step reads every weight once; kept in their GGUF blocks (Q4_1: 5 bits a weight)
 //! they cost a sixth of the bytes of dense f32 copies, and the memory those copies took. The

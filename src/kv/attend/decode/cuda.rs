@@ -2,35 +2,36 @@
 //! (sequence × KV head, position split, query-head chunk), then `decode_merge`.
 
 use super::Dims;
-use crate::device::kernels::{aligned, decode_override, dtype_suffix, kernel, view, Module};
+use crate::device::kernels::{aligned, decode_override, dtype_suffix, kernel, view, Kernel, Module};
 use crate::kv::format::rotation::Rotation;
-use crate::kv::format::LayerKv;
+use crate::kv::format::{LayerKv, QuantFormat, Quantized};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
 use candle_core::op::BackpropOp;
-use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-/// Must match NT, TILE and MAXG in decode.cu.
+/// Must match NT, TILE and MAXG in kernels/decode/block.cuh.
 const THREADS: u32 = 128;
 const TILE: usize = 128;
 const MAXG: usize = 8;
 /// Blocks to aim for: about four waves on an H100's 132 SMs.
 const TARGET_BLOCKS: usize = 512;
-/// Query heads per block of the warp-independent quantized kernel (QG in decode.cu).
+/// Query heads per block of the warp-independent quantized kernel (QG in
+/// kernels/decode/warp_shape.cuh).
 const QG: usize = 4;
 /// Largest head_dim the shared-memory layout is sized for (stays under 48 KiB).
 const MAX_HEAD_DIM: usize = 512;
-/// Warps per block of the warp kernels (QW in decode.cu).
+/// Warps per block of the warp kernels (QW in kernels/decode/warp_shape.cuh).
 const QW: usize = 4;
 
 /// Dynamic shared memory of a tensor-core kernel: per warp two staged tiles of 32 rows, each row
-/// its K and V codes and its K and V scales and biases (STG in decode.cu).
+/// its K and V codes and its K and V scales and biases (STG in kernels/decode/warp_shape.cuh).
 fn stage_bytes(head_dim: usize, bits: usize, group: usize, scale_bytes: usize) -> usize {
     let codes = head_dim * bits / 8;
     let scales = head_dim / group * scale_bytes;
@@ -99,6 +100,277 @@ fn plan(dims: &Dims, head_chunks: usize, target: usize, one_wave: bool) -> (usiz
     (cap.div_ceil(split_len).max(1), split_len)
 }
 
+/// The kernel a layer's decode takes: its name, whether it is a warp-independent kernel and its
+/// dynamic shared memory (the staging of the tensor-core kernels; 0 for the others).
+struct Choice {
+    name: String,
+    warp: bool,
+    smem: usize,
+}
+
+/// Quantized pools with one width for K and V and head_dim 64 or 128 take the warp-independent
+/// kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT otherwise (decode_q_*).
+/// KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT scores for every width (A/B
+/// and tests).
+fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
+    let d = dims.head_dim;
+    let choice = decode_override();
+    let warp = match kv {
+        LayerKv::Affine { kfmt, vfmt, .. } => {
+            kfmt == vfmt
+                && matches!(d, 64 | 128)
+                // (slot, KV head) rows are 32-bit indices in that kernel
+                && dims
+                    .num_blocks
+                    .saturating_mul(dims.block_size)
+                    .saturating_mul(dims.kv_heads)
+                    < u32::MAX as usize
+                && choice != "v1"
+        }
+        LayerKv::Dense { .. } => false,
+    };
+    let mma = match kv {
+        LayerKv::Affine { kfmt, .. } => {
+            warp && matches!(kfmt.bits(), 4 | 8) && kfmt.group_size() <= d && choice != "v2"
+        }
+        LayerKv::Dense { .. } => false,
+    };
+    let name = match kv {
+        LayerKv::Dense { k, .. } => format!(
+            "decode_{}_dense_q{}",
+            dtype_name(k.dtype())?,
+            dtype_name(q.dtype())?
+        ),
+        LayerKv::Affine { kfmt: fmt, k, .. } => {
+            let t = dtype_name(k.scales.dtype())?;
+            let (bits, g) = (fmt.bits(), fmt.group_size());
+            if mma {
+                format!("decode_qm_{t}_b{bits}_d{d}_g{g}")
+            } else if warp {
+                format!("decode_q_{t}_b{bits}_d{d}")
+            } else {
+                format!("decode_{t}_b{bits}")
+            }
+        }
+    };
+    let smem = match kv {
+        LayerKv::Affine { kfmt, k, .. } if mma => stage_bytes(
+            d,
+            kfmt.bits() as usize,
+            kfmt.group_size(),
+            k.scales.dtype().size_in_bytes(),
+        ),
+        _ => 0,
+    };
+    Ok(Choice { name, warp, smem })
+}
+
+/// The queries as the chosen kernel reads them: the warp kernel in the pool's element type (it
+/// scales and rotates them itself), the dense kernel as they come (it scales them itself), the
+/// block-wide quantized kernels scaled, in f32; rotated here (`outer_rot`) for the block-wide
+/// kernels.
+fn query_input(
+    q: &Tensor,
+    kv: &LayerKv,
+    warp: bool,
+    outer_rot: Option<&Rotation>,
+    scale: f32,
+) -> Result<Tensor> {
+    let rotated = || match outer_rot {
+        Some(r) => r.rotate(q),
+        None => Ok(q.clone()),
+    };
+    match (kv, warp) {
+        (LayerKv::Affine { k, .. }, true) => aligned(&q.to_dtype(k.scales.dtype())?),
+        (LayerKv::Dense { .. }, _) => aligned(&rotated()?),
+        _ => aligned(&(rotated()?.to_dtype(DType::F32)? * scale as f64)?),
+    }
+}
+
+/// What every launch of one decode takes besides the pool: the kernel, its grid, the tables,
+/// the integer arguments and the split partials.
+struct Launch<'a> {
+    f: &'a Kernel,
+    cfg: LaunchConfig,
+    dev: &'a CudaDevice,
+    scale: f32,
+    tables: &'a CudaView<'a, u32>,
+    starts: &'a CudaView<'a, u32>,
+    lens: &'a CudaView<'a, u32>,
+    /// max_blocks, num_blocks, block_size, kv_heads, query heads per KV head, head_dim.
+    ints: [i32; 6],
+    split_len: i32,
+    part_acc: &'a CudaSlice<f32>,
+    part_ml: &'a CudaSlice<f32>,
+}
+
+/// The dense kernel over pools `k`, `v` with queries `qs` (in their own element type).
+fn launch_dense(
+    a: &Launch,
+    qs: &Storage,
+    ql: &Layout,
+    q_dtype: DType,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<()> {
+    let (k, v) = (aligned(k)?, aligned(v)?);
+    let (kst, kl) = k.storage_and_layout();
+    let (vst, vl) = v.storage_and_layout();
+    macro_rules! launch {
+        ($t:ty, $qt:ty) => {{
+            let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
+            let qv = view::<$qt>(qs, ql)?;
+            let mut b = a.f.builder();
+            b.arg(&qv)
+                .arg(&a.scale)
+                .arg(&kv_)
+                .arg(&vv_)
+                .arg(a.tables)
+                .arg(a.starts)
+                .arg(a.lens);
+            for i in &a.ints {
+                b.arg(i);
+            }
+            b.arg(&a.split_len).arg(a.part_acc).arg(a.part_ml);
+            unsafe { b.launch(a.cfg) }.w()?;
+        }};
+    }
+    macro_rules! by_query {
+        ($t:ty) => {
+            match q_dtype {
+                DType::F32 => launch!($t, f32),
+                DType::F16 => launch!($t, f16),
+                _ => launch!($t, bf16),
+            }
+        };
+    }
+    match k.dtype() {
+        DType::F32 => by_query!(f32),
+        DType::F16 => by_query!(f16),
+        _ => by_query!(bf16),
+    }
+    Ok(())
+}
+
+/// What the warp kernel takes beyond the block-wide one: it merges the splits itself (the last
+/// block per head chunk, counted in `counters` slots) into an output of `out_len` values, and
+/// rotates q in and the output back (`rot`).
+struct WarpArgs<'a> {
+    rot: Option<&'a Rotation>,
+    counters: usize,
+    out_len: usize,
+    nsplit: usize,
+}
+
+/// An affine kernel over the quantized pools `k`, `v` with queries `qs`: the block-wide kernel
+/// (`warp` None; the partials are merged after) or the warp kernel, whose merged output this
+/// returns.
+fn launch_affine(
+    a: &Launch,
+    qs: &Storage,
+    ql: &Layout,
+    fmt: &QuantFormat,
+    k: &Quantized,
+    v: &Quantized,
+    warp: Option<WarpArgs>,
+) -> Result<Option<CudaStorage>> {
+    let dev = a.dev;
+    let ts6 = [
+        &k.codes, &k.scales, &k.biases, &v.codes, &v.scales, &v.biases,
+    ];
+    let ts6 = ts6.map(aligned);
+    let [a_, b_, c, d_, e, f_] = ts6;
+    let ts6 = [a_?, b_?, c?, d_?, e?, f_?];
+    let sl6 = [
+        ts6[0].storage_and_layout(),
+        ts6[1].storage_and_layout(),
+        ts6[2].storage_and_layout(),
+        ts6[3].storage_and_layout(),
+        ts6[4].storage_and_layout(),
+        ts6[5].storage_and_layout(),
+    ];
+    let group = i32::try_from(fmt.group_size()).map_err(|_| {
+        err(format!(
+            "group size {} does not fit the kernel's int",
+            fmt.group_size()
+        ))
+    })?;
+    // Signs of the rotation for the warp kernel (the lens buffer stands in, unread, when none).
+    let rot = warp.as_ref().and_then(|w| w.rot);
+    let signs = rot.map(|r| r.signs().contiguous()).transpose()?;
+    let rotated: i32 = rot.is_some().into();
+    let sg_storage = signs.as_ref().map(|t| t.storage_and_layout());
+    let sgv = match &sg_storage {
+        Some((st, l)) => view::<f32>(st, l)?,
+        None => {
+            // Same device pointer, read as nothing.
+            unsafe { a.lens.transmute::<f32>(a.lens.len()) }
+                .ok_or_else(|| err("signs placeholder"))?
+        }
+    };
+    let mut fused: Option<CudaStorage> = None;
+    macro_rules! launch {
+        ($t:ty) => {{
+            let kc = view::<u32>(&sl6[0].0, sl6[0].1)?;
+            let ks = view::<$t>(&sl6[1].0, sl6[1].1)?;
+            let kb = view::<$t>(&sl6[2].0, sl6[2].1)?;
+            let vc = view::<u32>(&sl6[3].0, sl6[3].1)?;
+            let vs = view::<$t>(&sl6[4].0, sl6[4].1)?;
+            let vb = view::<$t>(&sl6[5].0, sl6[5].1)?;
+            // The in-kernel merge's counters, locked until the launch is queued.
+            let guard = match &warp {
+                Some(w) => Some(counters(dev, w.counters)?),
+                None => None,
+            };
+            let mut b = a.f.builder();
+            // Alive until the launch: the q view in the kernel's type.
+            let (qv32, qvt);
+            if warp.is_some() {
+                qvt = view::<$t>(qs, ql)?;
+                b.arg(&qvt).arg(&a.scale);
+            } else {
+                qv32 = view::<f32>(qs, ql)?;
+                b.arg(&qv32);
+            }
+            b.arg(&kc).arg(&ks).arg(&kb).arg(&vc).arg(&vs).arg(&vb);
+            b.arg(a.tables).arg(a.starts).arg(a.lens);
+            if warp.is_some() {
+                // max_blocks, num_blocks, block_size, kv_heads, group of query heads
+                for i in &a.ints[..5] {
+                    b.arg(i);
+                }
+            } else {
+                for i in &a.ints {
+                    b.arg(i);
+                }
+            }
+            b.arg(&group)
+                .arg(&a.split_len)
+                .arg(a.part_acc)
+                .arg(a.part_ml);
+            if let (Some(w), Some(guard)) = (&warp, &guard) {
+                // The kernel merges the splits itself (last block per head chunk).
+                let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(w.out_len)? };
+                let ns = w.nsplit as i32;
+                let c = guard
+                    .get(&dev.id())
+                    .ok_or_else(|| err("no merge counters for the device"))?;
+                b.arg(&sgv).arg(&rotated).arg(&out).arg(c).arg(&ns);
+                unsafe { b.launch(a.cfg) }.w()?;
+                fused = Some(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+            } else {
+                unsafe { b.launch(a.cfg) }.w()?;
+            }
+        }};
+    }
+    match ts6[1].dtype() {
+        DType::F32 => launch!(f32),
+        DType::F16 => launch!(f16),
+        _ => launch!(bf16),
+    }
+    Ok(fused)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn decode(
     q: &Tensor,
@@ -119,65 +391,13 @@ pub(super) fn decode(
     let to_i32 = |v: usize, what: &str| -> Result<i32> {
         i32::try_from(v).map_err(|_| err(format!("{what} {v} does not fit the kernel's int")))
     };
-    // Quantized pools with one width for K and V and head_dim 64 or 128 take the
-    // warp-independent kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT
-    // otherwise (decode_q_*). KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT
-    // scores for every width (A/B and tests).
-    let choice = decode_override();
-    let warp_kernel = match kv {
-        LayerKv::Affine { kfmt, vfmt, .. } => {
-            kfmt == vfmt
-                && matches!(d, 64 | 128)
-                // (slot, KV head) rows are 32-bit indices in that kernel
-                && dims
-                    .num_blocks
-                    .saturating_mul(dims.block_size)
-                    .saturating_mul(dims.kv_heads)
-                    < u32::MAX as usize
-                && choice != "v1"
-        }
-        LayerKv::Dense { .. } => false,
-    };
-    let mma_kernel = match kv {
-        LayerKv::Affine { kfmt, .. } => {
-            warp_kernel && matches!(kfmt.bits(), 4 | 8) && kfmt.group_size() <= d && choice != "v2"
-        }
-        LayerKv::Dense { .. } => false,
-    };
-    let name = match kv {
-        LayerKv::Dense { k, .. } => format!(
-            "decode_{}_dense_q{}",
-            dtype_name(k.dtype())?,
-            dtype_name(q.dtype())?
-        ),
-        LayerKv::Affine { kfmt: fmt, k, .. } => {
-            let t = dtype_name(k.scales.dtype())?;
-            let (bits, g) = (fmt.bits(), fmt.group_size());
-            if mma_kernel {
-                format!("decode_qm_{t}_b{bits}_d{d}_g{g}")
-            } else if warp_kernel {
-                format!("decode_q_{t}_b{bits}_d{d}")
-            } else {
-                format!("decode_{t}_b{bits}")
-            }
-        }
-    };
+    let choice = choose(q, kv, dims)?;
+    let warp_kernel = choice.warp;
     let cdev = q.device().as_cuda_device()?;
-    let f = kernel(cdev, Module::Decode, &name)?;
-    let smem = match kv {
-        LayerKv::Affine { kfmt, k, .. } if mma_kernel => stage_bytes(
-            d,
-            kfmt.bits() as usize,
-            kfmt.group_size(),
-            k.scales.dtype().size_in_bytes(),
-        ),
-        _ => 0,
-    };
+    let f = kernel(cdev, Module::Decode, &choice.name)?;
     let (chunk, target) = if warp_kernel {
-        (
-            QG,
-            resident_blocks(&f, &format!("{name}@{:?}", cdev.id()), smem)? * sm_count(cdev),
-        )
+        let key = format!("{}@{:?}", choice.name, cdev.id());
+        (QG, resident_blocks(&f, &key, choice.smem)? * sm_count(cdev))
     } else {
         (MAXG, TARGET_BLOCKS)
     };
@@ -187,23 +407,7 @@ pub(super) fn decode(
     // block-wide kernel gets q rotated here and its output rotated back below.
     let fused_rot = rot.filter(|_| warp_kernel);
     let outer_rot = rot.filter(|_| !warp_kernel);
-    // The warp kernel reads q in the pool's element type and scales it itself, the dense
-    // kernel reads it as it comes and scales it itself; the block-wide quantized kernels take
-    // it scaled, in f32.
-    let qf = match (kv, warp_kernel) {
-        (LayerKv::Affine { k, .. }, true) => aligned(&q.to_dtype(k.scales.dtype())?)?,
-        (LayerKv::Dense { .. }, _) => aligned(&match outer_rot {
-            Some(r) => r.rotate(q)?,
-            None => q.clone(),
-        })?,
-        _ => {
-            let q_in = match outer_rot {
-                Some(r) => r.rotate(q)?,
-                None => q.clone(),
-            };
-            aligned(&(q_in.to_dtype(DType::F32)? * scale as f64)?)?
-        }
-    };
+    let qf = query_input(q, kv, warp_kernel, outer_rot, scale)?;
     let (tables, starts, lens) = (
         aligned(block_tables)?,
         starts.contiguous()?,
@@ -228,156 +432,55 @@ pub(super) fn decode(
     let part_acc: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * d)? };
     let part_ml: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * 2)? };
     let smem = if warp_kernel {
-        smem // staging of the tensor-core kernels; the rest is static
+        choice.smem // staging of the tensor-core kernels; the rest is static
     } else {
         4 * (MAXG * d + MAXG * (d / 32) + MAXG * TILE + TILE + MAXG * d)
     };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            to_i32(dims.batch * dims.kv_heads, "batch x kv_heads")? as u32,
-            nsplit as u32,
-            head_chunks as u32,
-        ),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem as u32,
+    let launch = Launch {
+        f: &f,
+        cfg: LaunchConfig {
+            grid_dim: (
+                to_i32(dims.batch * dims.kv_heads, "batch x kv_heads")? as u32,
+                nsplit as u32,
+                head_chunks as u32,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        },
+        dev: &dev,
+        scale,
+        tables: &tv,
+        starts: &sv,
+        lens: &lv,
+        ints: [
+            to_i32(dims.max_blocks, "max_blocks")?,
+            to_i32(dims.num_blocks, "num_blocks")?,
+            to_i32(dims.block_size, "block_size")?,
+            to_i32(dims.kv_heads, "kv_heads")?,
+            to_i32(dims.group, "query heads per KV head")?,
+            to_i32(d, "head_dim")?,
+        ],
+        split_len: to_i32(split_len, "split length")?,
+        part_acc: &part_acc,
+        part_ml: &part_ml,
     };
-    let ints = [
-        to_i32(dims.max_blocks, "max_blocks")?,
-        to_i32(dims.num_blocks, "num_blocks")?,
-        to_i32(dims.block_size, "block_size")?,
-        to_i32(dims.kv_heads, "kv_heads")?,
-        to_i32(dims.group, "query heads per KV head")?,
-        to_i32(d, "head_dim")?,
-    ];
-    let split_len = to_i32(split_len, "split length")?;
-
-    // Signs of the rotation for the kernels (the lens buffer stands in, unread, when none).
-    let signs = fused_rot.map(|r| r.signs().contiguous()).transpose()?;
-    let rotated: i32 = fused_rot.is_some().into();
-    let sg_storage = signs.as_ref().map(|t| t.storage_and_layout());
-    let sgv = match &sg_storage {
-        Some((st, l)) => view::<f32>(st, l)?,
-        None => {
-            let v = view::<u32>(&ls, ll)?;
-            // Same device pointer, read as nothing.
-            unsafe { v.transmute::<f32>(v.len()) }.ok_or_else(|| err("signs placeholder"))?
-        }
-    };
-    let mut fused: Option<CudaStorage> = None;
-    match kv {
+    let fused = match kv {
         LayerKv::Dense { k, v } => {
-            let (k, v) = (aligned(k)?, aligned(v)?);
-            let (kst, kl) = k.storage_and_layout();
-            let (vst, vl) = v.storage_and_layout();
-            macro_rules! launch {
-                ($t:ty, $qt:ty) => {{
-                    let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
-                    let qv = view::<$qt>(&qs, ql)?;
-                    let mut b = f.builder();
-                    b.arg(&qv)
-                        .arg(&scale)
-                        .arg(&kv_)
-                        .arg(&vv_)
-                        .arg(&tv)
-                        .arg(&sv)
-                        .arg(&lv);
-                    for i in &ints {
-                        b.arg(i);
-                    }
-                    b.arg(&split_len).arg(&part_acc).arg(&part_ml);
-                    unsafe { b.launch(cfg) }.w()?;
-                }};
-            }
-            macro_rules! by_query {
-                ($t:ty) => {
-                    match qf.dtype() {
-                        DType::F32 => launch!($t, f32),
-                        DType::F16 => launch!($t, f16),
-                        _ => launch!($t, bf16),
-                    }
-                };
-            }
-            match k.dtype() {
-                DType::F32 => by_query!(f32),
-                DType::F16 => by_query!(f16),
-                _ => by_query!(bf16),
-            }
+            launch_dense(&launch, &qs, ql, qf.dtype(), k, v)?;
+            None
         }
         LayerKv::Affine {
             kfmt: fmt, k, v, ..
         } => {
-            let ts6 = [
-                &k.codes, &k.scales, &k.biases, &v.codes, &v.scales, &v.biases,
-            ];
-            let ts6 = ts6.map(aligned);
-            let [a, b_, c, d_, e, f_] = ts6;
-            let ts6 = [a?, b_?, c?, d_?, e?, f_?];
-            let sl6 = [
-                ts6[0].storage_and_layout(),
-                ts6[1].storage_and_layout(),
-                ts6[2].storage_and_layout(),
-                ts6[3].storage_and_layout(),
-                ts6[4].storage_and_layout(),
-                ts6[5].storage_and_layout(),
-            ];
-            let group = to_i32(fmt.group_size(), "group size")?;
-            macro_rules! launch {
-                ($t:ty) => {{
-                    let kc = view::<u32>(&sl6[0].0, sl6[0].1)?;
-                    let ks = view::<$t>(&sl6[1].0, sl6[1].1)?;
-                    let kb = view::<$t>(&sl6[2].0, sl6[2].1)?;
-                    let vc = view::<u32>(&sl6[3].0, sl6[3].1)?;
-                    let vs = view::<$t>(&sl6[4].0, sl6[4].1)?;
-                    let vb = view::<$t>(&sl6[5].0, sl6[5].1)?;
-                    // The in-kernel merge's counters, locked until the launch is queued.
-                    let guard = if warp_kernel {
-                        Some(counters(&dev, dims.batch * dims.kv_heads * head_chunks)?)
-                    } else {
-                        None
-                    };
-                    let mut b = f.builder();
-                    // Alive until the launch: the q view in the kernel's type.
-                    let (qv32, qvt);
-                    if warp_kernel {
-                        qvt = view::<$t>(&qs, ql)?;
-                        b.arg(&qvt).arg(&scale);
-                    } else {
-                        qv32 = view::<f32>(&qs, ql)?;
-                        b.arg(&qv32);
-                    }
-                    b.arg(&kc).arg(&ks).arg(&kb).arg(&vc).arg(&vs).arg(&vb);
-                    b.arg(&tv).arg(&sv).arg(&lv);
-                    if warp_kernel {
-                        // max_blocks, num_blocks, block_size, kv_heads, group of query heads
-                        for i in &ints[..5] {
-                            b.arg(i);
-                        }
-                    } else {
-                        for i in &ints {
-                            b.arg(i);
-                        }
-                    }
-                    b.arg(&group).arg(&split_len).arg(&part_acc).arg(&part_ml);
-                    if warp_kernel {
-                        // The kernel merges the splits itself (last block per head chunk).
-                        let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(bh * d)? };
-                        let ns = nsplit as i32;
-                        let c = &guard.as_ref().expect("counters for the warp kernel")[&dev.id()];
-                        b.arg(&sgv).arg(&rotated).arg(&out).arg(c).arg(&ns);
-                        unsafe { b.launch(cfg) }.w()?;
-                        fused = Some(CudaStorage::wrap_cuda_slice(out, dev.clone()));
-                    } else {
-                        unsafe { b.launch(cfg) }.w()?;
-                    }
-                }};
-            }
-            match ts6[1].dtype() {
-                DType::F32 => launch!(f32),
-                DType::F16 => launch!(f16),
-                _ => launch!(bf16),
-            }
+            let warp = warp_kernel.then_some(WarpArgs {
+                rot: fused_rot,
+                counters: dims.batch * dims.kv_heads * head_chunks,
+                out_len: bh * d,
+                nsplit,
+            });
+            launch_affine(&launch, &qs, ql, fmt, k, v, warp)?
         }
-    }
+    };
 
     let out = match fused {
         Some(out) => out,

@@ -97,67 +97,7 @@ fn check_shapes(
         )));
     }
     let width = num_kv_heads * head_dim;
-    let (rows, row_width) = match kv {
-        LayerKv::Dense { k, v } => {
-            if k.dims() != v.dims() || k.dtype() != v.dtype() || k.rank() != 2 {
-                return Err(shape_err(format!(
-                    "dense K {:?} {:?} and V {:?} {:?} must both be [slots, width] of one dtype",
-                    k.dims(),
-                    k.dtype(),
-                    v.dims(),
-                    v.dtype()
-                )));
-            }
-            if !matches!(k.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-                return Err(shape_err(format!(
-                    "dense cache must be f32, f16 or bf16, got {:?}",
-                    k.dtype()
-                )));
-            }
-            (k.dim(0)?, k.dim(1)?)
-        }
-        LayerKv::Affine {
-            kfmt, vfmt, k, v, ..
-        } => {
-            let mut widths = Vec::with_capacity(2);
-            for (name, t, fmt) in [("K", k, kfmt), ("V", v, vfmt)] {
-                fmt.check_dim(head_dim)
-                    .map_err(|e| shape_err(format!("{name}: {e}")))?;
-                let ok = t.codes.rank() == 2
-                    && t.codes.dtype() == DType::U32
-                    && t.scales.rank() == 2
-                    && t.scales.dims() == t.biases.dims()
-                    && t.scales.dtype() == t.biases.dtype()
-                    && t.codes.dim(0)? == t.scales.dim(0)?
-                    && matches!(t.scales.dtype(), DType::F32 | DType::F16 | DType::BF16);
-                if !ok {
-                    return Err(shape_err(format!(
-                        "quantized {name}: codes {:?} {:?}, scales {:?} {:?}, biases {:?} {:?} are not a {fmt} pool",
-                        t.codes.dims(), t.codes.dtype(), t.scales.dims(), t.scales.dtype(),
-                        t.biases.dims(), t.biases.dtype()
-                    )));
-                }
-                let w = t.scales.dim(1)? * fmt.group_size();
-                if t.codes.dim(1)? != fmt.words_per_row(w) {
-                    return Err(shape_err(format!(
-                        "quantized {name} codes have {} words per row; {fmt} needs {} for width {w}",
-                        t.codes.dim(1)?,
-                        fmt.words_per_row(w)
-                    )));
-                }
-                widths.push(w);
-            }
-            if k.codes.dim(0)? != v.codes.dim(0)?
-                || widths[0] != widths[1]
-                || k.scales.dtype() != v.scales.dtype()
-            {
-                return Err(shape_err(
-                    "quantized K and V pools differ in slots, width or scale dtype".into(),
-                ));
-            }
-            (k.codes.dim(0)?, widths[0])
-        }
-    };
+    let (rows, row_width) = kv.check_pool(head_dim, shape_err)?;
     if row_width != width {
         return Err(shape_err(format!(
             "cache rows hold {row_width} values; {num_kv_heads} KV heads x head_dim {head_dim} = {width}"
@@ -188,11 +128,7 @@ fn check_shapes(
     }
     let dev = q.device();
     let same = |t: &Tensor| t.device().same_device(dev);
-    let kv_dev_ok = match kv {
-        LayerKv::Dense { k, v } => same(k) && same(v),
-        LayerKv::Affine { k, v, .. } => same(&k.codes) && same(&v.codes),
-    };
-    if !(kv_dev_ok && same(block_tables) && same(starts) && same(lens)) {
+    if !(kv.is_on(dev) && same(block_tables) && same(starts) && same(lens)) {
         return Err(shape_err(
             "q, the cache, block_tables, starts and lens must be on one device".into(),
         ));

@@ -1,14 +1,15 @@
 //! AVX2 + F16C bodies of the fused kernels, entered only after runtime detection.
 //!
 //! Eight values per vector, the same IEEE operations as the portable path (so the results are
-//! bit-identical): quantize takes the group's min/max, the scalar parameters of DESIGN §4, then
-//! `clamp(round((x - bias) / scale), 0, n)` with a true division, `max`/`min` whose NaN handling
-//! matches [`code_of`](super::super::pack::code_of), and rounding by the 1.5·2^23 magic number,
-//! whose bit pattern then *is* the integer code. Eight codes are shifted to their bit offsets with
-//! one variable shift and OR-reduced within each 128-bit half, giving 8·B stream bits; four such
-//! pieces fill the B words of a 32-code chunk through a u128 accumulator whose shifts are all
-//! compile-time constants. Dequantize pulls 8·B bits out of the chunk's words, broadcasts them,
-//! shifts per lane, masks, and applies `code*scale + bias` with the narrow-type rounding of MLX.
+//! bit-identical): quantize takes the group's min/max, the scalar parameters of the format
+//! (docs/ARCHITECTURE.md), then `clamp(round((x - bias) / scale), 0, n)` with a true division,
+//! `max`/`min` whose NaN handling matches [`code_of`](super::super::pack::code_of), and rounding by
+//! the 1.5·2^23 magic number, whose bit pattern then *is* the integer code. Eight codes are shifted
+//! to their bit offsets with one variable shift and OR-reduced within each 128-bit half, giving 8·B
+//! stream bits; four such pieces fill the B words of a 32-code chunk through a u128 accumulator
+//! whose shifts are all compile-time constants. Dequantize pulls 8·B bits out of the chunk's words,
+//! broadcasts them, shifts per lane, masks, and applies `code*scale + bias` with the narrow-type
+//! rounding of MLX.
 
 use super::super::pack::group_params;
 use crate::simd::lanes::Lanes;

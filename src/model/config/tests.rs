@@ -1,8 +1,6 @@
 //! GGUF metadata as llama.cpp's converter writes it for Gemma models, and Hugging Face
 //! configs with RoPE scaling.
 
-#![allow(clippy::unwrap_used, clippy::indexing_slicing)]
-
 use super::*;
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value as G, VersionedMagic};
 use candle_core::quantized::GgmlDType;

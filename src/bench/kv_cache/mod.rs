@@ -14,17 +14,18 @@
 //! the dense cache of `dtype` and each bit width. Times are per layer, medians, device-synchronised;
 //! the error is max |out - out_dense| over the attention outputs (same K/V data, same queries).
 
-use crate::kv::attend::decode::decode_attention_rotated;
-use crate::kv::format::rotation::{Rotation, DEFAULT_SEED};
+use crate::kv::format::rotation::Rotation;
 use crate::kv::format::{self, QuantFormat, Quantized};
-use crate::kv::format::{KvFormat, LayerKv};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::StandardNormal;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::time::Instant;
+
+mod attention;
+pub use attention::AttnRow;
 
 /// What to measure.
 #[derive(Debug, Clone, Serialize)]
@@ -192,24 +193,6 @@ pub struct Row {
     /// quantize_gbps / memcpy_gbps of the same run.
     pub quantize_vs_memcpy: Option<f64>,
     pub dequantize_vs_memcpy: Option<f64>,
-}
-
-/// One decode-step attention measurement; `bits == None` is the dense baseline.
-#[derive(Debug, Clone, Serialize)]
-pub struct AttnRow {
-    pub seq_len: usize,
-    pub mode: String,
-    pub bits: Option<u32>,
-    /// Median time of one layer's decode attention for the whole batch.
-    pub ms: f64,
-    /// Dense time / this time, same context length.
-    pub speedup_vs_dense: f64,
-    /// max |output - dense output|.
-    pub max_abs_error: f64,
-    /// K and V bytes of the attended tokens (the bytes a step must read).
-    pub kv_bytes: u64,
-    /// kv_bytes / ms.
-    pub kv_gbps: f64,
 }
 
 /// Everything one run measured.
@@ -442,7 +425,7 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
     drop(xs);
     let mut attention = Vec::new();
     for &len in &cfg.seq_lens {
-        attention.extend(attention_rows(cfg, &fmts, len, device, progress)?);
+        attention.extend(attention::rows(cfg, &fmts, len, device, progress)?);
     }
     Ok(Report {
         config: cfg.clone(),
@@ -453,151 +436,4 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
         rows,
         attention,
     })
-}
-
-/// Seeded N(0,1) values, generated in parallel chunks (each chunk its own seeded generator, so
-/// the data does not depend on the thread count).
-fn randn_par(n: usize, seed: u64) -> Vec<f32> {
-    const CH: usize = 1 << 16;
-    let mut v = vec![0f32; n];
-    v.par_chunks_mut(CH).enumerate().for_each(|(i, c)| {
-        let mut rng = StdRng::seed_from_u64(
-            seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).rotate_left(32),
-        );
-        for x in c {
-            *x = rng.sample(StandardNormal);
-        }
-    });
-    v
-}
-
-/// Decode-step attention at context `len`: dense baseline, then each format, same data.
-fn attention_rows(
-    cfg: &BenchConfig,
-    fmts: &[QuantFormat],
-    len: usize,
-    device: &Device,
-    progress: &dyn Progress,
-) -> Result<Vec<AttnRow>> {
-    let (kvh, d, bs, batch) = (cfg.heads, cfg.head_dim, cfg.block_size, cfg.batch);
-    let heads = kvh * cfg.gqa;
-    let per_seq = len.div_ceil(bs);
-    let num_blocks = batch * per_seq;
-    let (slots, width) = (num_blocks * bs, kvh * d);
-    // Blocks in shuffled order, as a long-running pool hands them out.
-    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
-    ids.shuffle(&mut StdRng::seed_from_u64(cfg.seed ^ 0xB10C));
-    let tables = Tensor::from_vec(ids, (batch, per_seq), device)?;
-    let starts = Tensor::zeros(batch, DType::U32, device)?;
-    let lens = Tensor::from_vec(vec![len as u32; batch], batch, device)?;
-    let salt = (len as u64) << 20;
-    let k = Tensor::from_vec(
-        randn_par(slots * width, cfg.seed ^ salt ^ 1),
-        (slots, width),
-        &Device::Cpu,
-    )?;
-    let v = Tensor::from_vec(
-        randn_par(slots * width, cfg.seed ^ salt ^ 2),
-        (slots, width),
-        &Device::Cpu,
-    )?;
-    let q = Tensor::from_vec(
-        randn_par(batch * heads * d, cfg.seed ^ salt ^ 3),
-        (batch, heads, d),
-        &Device::Cpu,
-    )?
-    .to_dtype(cfg.dtype)?
-    .to_device(device)?;
-    progress.step(&format!("attention data, {len} tokens"));
-    let scale = 1.0 / (d as f32).sqrt();
-    let kv_tokens = (batch * len) as u64;
-    let mut modes: Vec<(String, Option<u32>, KvFormat)> = vec![(
-        format!("{} (dense)", cfg.dtype.as_str()),
-        None,
-        KvFormat::Dense(cfg.dtype),
-    )];
-    for f in fmts {
-        for rotated in [false, true] {
-            if rotated && !cfg.rotated {
-                continue;
-            }
-            modes.push((
-                format!("{}-bit{}", f.bits(), if rotated { " rotated" } else { "" }),
-                Some(f.bits()),
-                KvFormat::affine(*f, cfg.dtype, rotated),
-            ));
-        }
-    }
-    let rotation = if cfg.rotated {
-        Some(Rotation::new(d, DEFAULT_SEED, device)?)
-    } else {
-        None
-    };
-    let mut rows = Vec::new();
-    let mut dense: Option<(Tensor, f64)> = None;
-    for (mode, bits, format) in modes {
-        let rot = rotation.as_ref().filter(|_| format.is_rotated());
-        let stored = |x: &Tensor| -> Result<Tensor> {
-            let x = x.to_device(device)?;
-            Ok(match rot {
-                Some(r) => r.rotate(&x)?,
-                None => x,
-            })
-        };
-        // One pool per layer of the step (same contents, own memory, so no layer reads another's
-        // bytes from cache), written in slices so the device never holds a second f32 copy.
-        let mut pools = Vec::with_capacity(cfg.attn_layers);
-        for _ in 0..cfg.attn_layers {
-            let pool = LayerKv::zeros(format, slots, width, device)?;
-            let step = (1 << 24) / width.max(1);
-            let mut first = 0;
-            while first < slots {
-                let n = step.min(slots - first);
-                pool.write_run(
-                    first,
-                    &stored(&k.narrow(0, first, n)?)?,
-                    &stored(&v.narrow(0, first, n)?)?,
-                )?;
-                first += n;
-            }
-            pools.push(pool);
-        }
-        let mut out = None;
-        let step_ms = time_ms(
-            cfg,
-            device,
-            progress,
-            &format!("attention {mode}, {len} tokens"),
-            || {
-                for pool in &pools {
-                    out = Some(decode_attention_rotated(
-                        &q, pool, &tables, &starts, &lens, bs, kvh, scale, rot,
-                    )?);
-                }
-                Ok(())
-            },
-        )?;
-        drop(pools);
-        let ms = step_ms / cfg.attn_layers as f64;
-        let out = out.context("no attention run")?.to_dtype(DType::F32)?;
-        let (err, base_ms) = match &dense {
-            None => (0.0, ms),
-            Some((o, m)) => ((&out - o)?.abs()?.max_all()?.to_scalar::<f32>()? as f64, *m),
-        };
-        let kv_bytes = kv_tokens * format.kv_row_bytes(width) as u64;
-        rows.push(AttnRow {
-            seq_len: len,
-            mode,
-            bits,
-            ms,
-            speedup_vs_dense: base_ms / ms,
-            max_abs_error: err,
-            kv_bytes,
-            kv_gbps: kv_bytes as f64 / (ms * 1e-3) / 1e9,
-        });
-        if dense.is_none() {
-            dense = Some((out, ms));
-        }
-    }
-    Ok(rows)
 }

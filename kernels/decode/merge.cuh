@@ -1,0 +1,83 @@
+// kvq: merging the position splits of decode attention into the output (kernels/decode.cu).
+#pragma once
+#include "codes.cuh"
+
+// Merges the position splits of IT outputs: output k is value dd[k] of head row hr[k], whose
+// splits sit at rows s·BH + hr[k] of part_ml ([.., 2]: max, sum) and part_acc ([.., D]).
+// Splits are read SC at a time for all IT outputs at once (one round trip to L2 per SC splits:
+// the merge is latency-bound) and combined online. Empty splits (m = -inf) count for nothing;
+// NaN (a bad sequence) propagates. Outputs with in[k] false read nothing.
+template <int IT>
+__device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
+                                             const float* __restrict__ part_ml, size_t BH, int D,
+                                             int nsplit, const size_t* hr, const int* dd,
+                                             const bool* in, float* o) {
+    constexpr int SC = 4;
+    float M[IT], num[IT], den[IT];
+    bool any_nan[IT];
+#pragma unroll
+    for (int k = 0; k < IT; k++) {
+        M[k] = neg_inf();
+        num[k] = den[k] = 0.f;
+        any_nan[k] = false;
+    }
+    for (int s0 = 0; s0 < nsplit; s0 += SC) {
+        float m[IT][SC], l[IT][SC], a[IT][SC];
+#pragma unroll
+        for (int k = 0; k < IT; k++) {
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                const size_t h = (size_t)(s0 + u) * BH + hr[k];
+                const bool ok = s0 + u < nsplit && in[k];
+                m[k][u] = ok ? __ldcg(&part_ml[h * 2]) : neg_inf();
+                l[k][u] = ok ? __ldcg(&part_ml[h * 2 + 1]) : 0.f;
+                a[k][u] = ok ? __ldcg(&part_acc[h * D + dd[k]]) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < IT; k++) {
+            float cm = neg_inf();
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                if (m[k][u] != m[k][u]) any_nan[k] = true;
+                else cm = fmaxf(cm, m[k][u]);
+            }
+            const float mn = fmaxf(M[k], cm);
+            const float r = M[k] == neg_inf() ? 0.f : fast_exp(M[k] - mn);
+            num[k] *= r;
+            den[k] *= r;
+#pragma unroll
+            for (int u = 0; u < SC; u++) {
+                const float w = m[k][u] == neg_inf() || m[k][u] != m[k][u] ? 0.f : fast_exp(m[k][u] - mn);
+                num[k] += w * a[k][u];
+                den[k] += w * l[k][u];
+            }
+            M[k] = mn;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < IT; k++) o[k] = any_nan[k] ? __int_as_float(0x7fc00000) : num[k] / den[k];
+}
+
+// Combines the block-wide kernels' splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s,
+// written in the query's element type (merge_splits). One block per (sequence, head), up to 256
+// threads, at most two values of a row per thread (D ≤ 512).
+template <typename T>
+__device__ __forceinline__ void merge_impl(const float* __restrict__ part_acc,
+                                           const float* __restrict__ part_ml, T* __restrict__ out,
+                                           int nsplit, int BH, int D) {
+    const size_t bh = blockIdx.x;
+    size_t hr[2] = {bh, bh};
+    int dd[2];
+    bool in[2];
+    float o[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        dd[k] = threadIdx.x + k * blockDim.x;
+        in[k] = dd[k] < D;
+    }
+    merge_splits<2>(part_acc, part_ml, (size_t)BH, D, nsplit, hr, dd, in, o);
+#pragma unroll
+    for (int k = 0; k < 2; k++)
+        if (in[k]) out[bh * D + dd[k]] = from_f<T>(o[k]);
+}

@@ -10,9 +10,12 @@
 //! for all rows of the step with 16-byte loads, so at one to eight rows the kernels stream the
 //! weights at close to the memory's rate, where cuBLAS's tiles sit mostly idle.
 //!
-//! Status: opt-in (`KVQ_GPU_GEMV=on`, read once per process) until it has been measured on a
-//! GPU; the kernels are tested against the unfused ops by this module's CUDA tests and the
-//! engine's graph-vs-eager test (tests/it/cuda_graphs.rs) runs with it on and off.
+//! When: by default for steps of one row only — measured on an H100 (default model, 512 × 1,
+//! 128 new tokens) a one-sequence step runs 184 kernels instead of 306 and decodes 5–25% faster,
+//! while at 2 to 8 rows the kernels lose to cuBLAS (8 rows: 2.6K tok/s against 5.7K).
+//! `KVQ_GPU_GEMV` (read once per process) sets the most rows: `off`, `on` (all 8), or a number.
+//! The kernels are tested against the unfused ops by this module's CUDA tests and the engine's
+//! graph-vs-eager test (tests/it/cuda_graphs.rs) runs with them on and off.
 //!
 //! The arithmetic is candle's for everything but the order of the dot products' sums (f32
 //! accumulation, one fixed order per row): intermediate values are rounded to the compute dtype
@@ -21,12 +24,21 @@
 
 use candle_core::{DType, Result, Tensor};
 
-/// Whether decode steps use the fused projections: `KVQ_GPU_GEMV=on` (or `1`), read once.
-pub fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("KVQ_GPU_GEMV").is_ok_and(|v| matches!(v.as_str(), "on" | "1"))
-    })
+/// The most rows of a decode step that take the fused projections (0: never): 1 by default,
+/// else `KVQ_GPU_GEMV` — `off`/`0`, `on` ([`MAX_ROWS`]) or a number of rows up to [`MAX_ROWS`].
+pub fn max_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| rows_setting(std::env::var("KVQ_GPU_GEMV").ok().as_deref()))
+}
+
+/// [`max_rows`] from the variable's value; an unknown value keeps the default (1).
+fn rows_setting(v: Option<&str>) -> usize {
+    match v.map(str::trim) {
+        Some("off") => 0,
+        Some("on") => MAX_ROWS,
+        Some(n) => n.parse::<usize>().map_or(1, |n| n.min(MAX_ROWS)),
+        None => 1,
+    }
 }
 
 /// The most rows the fused projections take (the CUDA-graph buckets up to 8).
@@ -440,32 +452,29 @@ mod cuda {
                 let (cv, sv) = (view::<f32>(&cs, cl)?, view::<f32>(&ss, sl)?);
                 b.arg(&pv).arg(&cv).arg(&sv);
                 let q = unsafe { dev.alloc::<$t>(rows * heads * d)? };
-                let (fresh, pool_views);
-                match &pool {
-                    Some(((ks, kl), (vs, vl), (sls, sll))) => {
-                        fresh = None;
-                        pool_views = Some((
-                            view::<$t>(ks, kl)?,
-                            view::<$t>(vs, vl)?,
-                            view::<u32>(sls, sll)?,
-                        ));
-                        let (kv, vv, slv) = pool_views.as_ref().expect("set above");
-                        b.arg(slv).arg(&q).arg(kv).arg(vv);
-                    }
-                    None => {
-                        pool_views = None;
-                        let k = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
-                        let v = unsafe { dev.alloc::<$t>(rows * kv_heads * d)? };
-                        fresh = Some((k, v));
-                        let (k, v) = fresh.as_ref().expect("set above");
-                        b.arg(&null).arg(&q).arg(k).arg(v);
-                    }
-                }
+                let pool_views = match &pool {
+                    Some(((ks, kl), (vs, vl), (sls, sll))) => Some((
+                        view::<$t>(ks, kl)?,
+                        view::<$t>(vs, vl)?,
+                        view::<u32>(sls, sll)?,
+                    )),
+                    None => None,
+                };
+                let fresh = match pool_views {
+                    Some(_) => None,
+                    None => Some((unsafe { dev.alloc::<$t>(rows * kv_heads * d)? }, unsafe {
+                        dev.alloc::<$t>(rows * kv_heads * d)?
+                    })),
+                };
+                match (&pool_views, &fresh) {
+                    (Some((kv, vv, slv)), _) => b.arg(slv).arg(&q).arg(kv).arg(vv),
+                    (None, Some((k, v))) => b.arg(&null).arg(&q).arg(k).arg(v),
+                    (None, None) => unreachable!("fresh is allocated where no pool is given"),
+                };
                 for i in &ints {
                     b.arg(i);
                 }
                 unsafe { b.launch(cfg) }.w()?;
-                drop(pool_views);
                 let kv = fresh.map(|(k, v)| {
                     (
                         wrap(k, &dev, (rows, kv_heads * d)),
@@ -483,6 +492,22 @@ mod cuda {
             DType::F16 => launch!(f16),
             _ => launch!(bf16),
         })
+    }
+}
+
+#[cfg(test)]
+mod setting_tests {
+    use super::{rows_setting, MAX_ROWS};
+
+    #[test]
+    fn the_variable_sets_the_most_rows() {
+        assert_eq!(rows_setting(None), 1);
+        assert_eq!(rows_setting(Some("off")), 0);
+        assert_eq!(rows_setting(Some("0")), 0);
+        assert_eq!(rows_setting(Some("on")), MAX_ROWS);
+        assert_eq!(rows_setting(Some(" 4 ")), 4);
+        assert_eq!(rows_setting(Some("64")), MAX_ROWS);
+        assert_eq!(rows_setting(Some("fast")), 1);
     }
 }
 

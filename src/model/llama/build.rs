@@ -90,7 +90,7 @@ impl Llama {
             .map(|&t| rope_tables(cfg, t, w.device()))
             .collect::<Result<Vec<_>>>()?;
         let dense = |l: &Linear| l.dense_weight().is_some_and(gemv::weight_fits);
-        let small = gemv::enabled()
+        let small = gemv::max_rows() > 0
             && w.dtype() != DType::F32
             && !cfg.qk_norm
             && dense(&lm_head)

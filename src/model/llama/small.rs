@@ -14,6 +14,7 @@ impl Llama {
     pub(super) fn small_step(&self, rows: usize) -> bool {
         let c = &self.cfg;
         self.small
+            && rows <= gemv::max_rows()
             && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
                 .iter()
                 .all(|&width| gemv::rows_fit(rows, width))

@@ -2,7 +2,9 @@
 //! (sequence × KV head, position split, query-head chunk), then `decode_merge`.
 
 use super::Dims;
-use crate::device::kernels::{aligned, decode_override, dtype_suffix, kernel, view, Kernel, Module};
+use crate::device::kernels::{
+    aligned, decode_override, dtype_suffix, kernel, view, Kernel, Module,
+};
 use crate::kv::format::rotation::Rotation;
 use crate::kv::format::{LayerKv, QuantFormat, Quantized};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};

@@ -20,17 +20,24 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::{Arch, ModelConfig, RopeScaling};
 use super::fused;
+use super::fused_cpu;
 use super::weights::{Embedding, Linear, Name, WeightMath, Weights};
 #[cfg(feature = "cuda")]
 use crate::kv::attend::FixedStep;
 use crate::kv::attend::{paged_attention, plan_decode, DecodeGroup, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 use crate::kv::format::SlotRows;
+use crate::ops::pool;
 
 /// Q, K and V projections: three matrices, or one whose output rows are q, k, v (Phi-3).
 enum QkvProj {
     Split { q: Linear, k: Linear, v: Linear },
     Fused(Linear),
+}
+
+/// Whether every projection of `parts` is kept in GGUF blocks for kvq's CPU kernels.
+fn all_blocks(parts: &[&Linear]) -> bool {
+    parts.iter().all(|l| l.math() == WeightMath::Blocks)
 }
 
 /// Gate and up projections: two matrices, or one whose output rows are gate, up (Phi-3).
@@ -141,15 +148,20 @@ impl Llama {
                     up: w.linear(Name::Up(l), h, ff, false)?,
                 }
             };
-            // On a GPU, one matmul launch for q/k/v and one for gate/up (each launch costs more
-            // host time than these small matmuls take); the CPU keeps its per-row kernels.
-            if !w.device().is_cpu() {
-                if let QkvProj::Split { q, k, v } = &qkv {
+            // One matmul for q/k/v and one for gate/up: on a GPU each launch costs more host
+            // time than these small matmuls take, and on the CPU each call wakes the thread
+            // pool. CPU weights stack where they are GGUF blocks (the dense ones would be
+            // copied: mapped safetensors become resident).
+            let cpu = w.device().is_cpu();
+            if let QkvProj::Split { q, k, v } = &qkv {
+                if !cpu || all_blocks(&[q, k, v]) {
                     if let Some(f) = Linear::stacked(&[q, k, v])? {
                         qkv = QkvProj::Fused(f);
                     }
                 }
-                if let GateUpProj::Split { gate, up } = &gate_up {
+            }
+            if let GateUpProj::Split { gate, up } = &gate_up {
+                if !cpu || all_blocks(&[gate, up]) {
                     if let Some(f) = Linear::stacked(&[gate, up])? {
                         gate_up = GateUpProj::Fused(f);
                     }
@@ -262,6 +274,20 @@ impl Llama {
     /// must be reserved). Returns f32 logits `[rows, vocab]`: one row per sequence for
     /// [`LogitsFor::Last`], one per token (in input order) for [`LogitsFor::All`].
     pub fn forward(
+        &self,
+        inputs: &[SeqInput],
+        cache: &mut PagedKvCache,
+        which: LogitsFor,
+    ) -> Result<Tensor> {
+        if self.device.is_cpu() {
+            // On a thread of the kernels' pool: its ~150 parallel kernels then do not each wake
+            // this thread (`ops::pool`).
+            return pool::run(|| self.forward_here(inputs, cache, which));
+        }
+        self.forward_here(inputs, cache, which)
+    }
+
+    fn forward_here(
         &self,
         inputs: &[SeqInput],
         cache: &mut PagedKvCache,
@@ -454,6 +480,12 @@ impl Llama {
         let (q, k, v) = match (&b.qkv, s.rope) {
             (QkvProj::Fused(qkv), Rope::Tables(cos, sin)) => {
                 fused::rope_qkv(&qkv.forward(&hs)?, s.pos, (cos, sin), nh, nkv, hd)?
+            }
+            (QkvProj::Fused(qkv), Rope::Rows(cos, sin))
+                if b.q_norm.is_none() && fused_cpu::applies(&hs) =>
+            {
+                let (q, k, v) = fused_cpu::rope_qkv(&qkv.forward(&hs)?, cos, sin, (nh, nkv, hd))?;
+                (q, k, v)
             }
             (qkv, Rope::Rows(cos, sin)) => {
                 let (q, k, v) = match qkv {

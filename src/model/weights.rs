@@ -177,9 +177,10 @@ impl Linear {
 
     /// The projections `parts` stacked along their outputs (`[Σ out, in]`, outputs in `parts`'
     /// order), so one matmul launch computes them all; `None` where they cannot be stacked
-    /// (kvq's CPU block kernels, mixed GGUF types or input widths, some with a bias and some
-    /// without). GGUF weights stack as their raw blocks: each output row is a whole run of
-    /// blocks, so the stacked rows are the parts' rows, bit for bit.
+    /// (mixed GGUF types or input widths, some with a bias and some without). GGUF weights
+    /// stack as their raw blocks: each output row is a whole run of blocks, so the stacked
+    /// rows are the parts' rows, bit for bit (and each output element is computed alone, so
+    /// the outputs are the parts' outputs).
     pub fn stacked(parts: &[&Linear]) -> Result<Option<Linear>> {
         let biases: Vec<&Tensor> = parts.iter().filter_map(|l| l.b.as_ref()).collect();
         if parts.is_empty() || !(biases.is_empty() || biases.len() == parts.len()) {
@@ -189,6 +190,19 @@ impl Linear {
             true => None,
             false => Some(Tensor::cat(&biases, 0)?),
         };
+        let blocks: Vec<&QMatrix> = parts
+            .iter()
+            .filter_map(|l| match &l.w {
+                Weight::Blocks(m) => Some(m.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if blocks.len() == parts.len() {
+            return Ok(QMatrix::stack(&blocks).map(|m| Linear {
+                w: Weight::Blocks(Arc::new(m)),
+                b,
+            }));
+        }
         let qs: Vec<&QTensor> = parts
             .iter()
             .filter_map(|l| match &l.w {
@@ -448,7 +462,7 @@ impl Weights {
                         q.dequantize(&self.device)?.to_dtype(self.dtype)?,
                     ))
                 } else if g.math == GgufMath::Blocks && QMatrix::supports(&q) {
-                    Weight::Blocks(Arc::new(QMatrix::new(Arc::new(q))?))
+                    Weight::Blocks(Arc::new(QMatrix::new(&q)?))
                 } else {
                     Weight::Candle(QMatMul::from_qtensor(q)?)
                 };
@@ -497,7 +511,7 @@ impl Weights {
             if g.math == GgufMath::Blocks && self.device.is_cpu() {
                 let q = g.qtensor("token_embd.weight", &self.device)?;
                 if QMatrix::supports(&q) {
-                    let m = Arc::new(QMatrix::new(Arc::new(q))?);
+                    let m = Arc::new(QMatrix::new(&q)?);
                     if m.dims() != (vocab, hidden) {
                         bail!(
                             "tensor token_embd.weight has shape {:?}, the config expects [{vocab}, {hidden}]",

@@ -1,4 +1,5 @@
 //! CPU kernels shared by the model and the KV cache.
 
 pub mod gguf;
+pub mod pool;
 pub mod row_matmul;

@@ -10,7 +10,7 @@
 //! contiguous along k), summed in one fixed order whatever the shape: `LANES` partial sums
 //! (lane l takes the k ≡ l (mod LANES) terms in increasing k, by multiply-adds), the vector's
 //! fixed horizontal-sum tree, then the `k % LANES` tail one product at a time. Blocking (up to
-//! [`MR`] rows of `x` × 4 rows of `W` in registers) and the rayon split into tiles only decide
+//! [`MR`] rows of `x` × 4 rows of `W` in registers) and the split into tiles (tasks of `pool`) only decide
 //! which elements are computed together, never the order inside one. The vector implementation
 //! is chosen once per process (the widest the CPU has, whatever the shape), so a row's result
 //! is the same in every call on one machine. f16/bf16 operands are widened exactly to f32 (`x`
@@ -18,15 +18,15 @@
 
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
+use crate::ops::pool;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{avx2, avx512};
 use crate::simd::{Elem, Isa, Portable, Simd};
 
 /// Rows of `x` per register block.
 const MR: usize = 4;
-/// Rows of `x` and of `W` per tile (one rayon task): the tile's rows of `x` stay in L2 while
+/// Rows of `x` and of `W` per tile (one task of [`pool`]): the tile's rows of `x` stay in L2 while
 /// each block of `W` rows is reused from L1 across them.
 const MC: usize = 32;
 const NC: usize = 64;
@@ -77,7 +77,8 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(y, dims, x.device())?.to_dtype(dtype)
 }
 
-fn cpu_slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
+/// The contiguous CPU data of a tensor's storage and layout.
+pub(crate) fn cpu_slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
     let Storage::Cpu(s) = s else {
         candle_core::bail!("row_matmul: expected CPU storage");
     };
@@ -116,7 +117,7 @@ pub(crate) fn run<T: Elem>(
     }
     let (tm, tn) = (m.div_ceil(MC), n.div_ceil(NC));
     let out = OutPtr(y.as_mut_ptr());
-    (0..tm * tn).into_par_iter().for_each(|t| {
+    pool::for_each(tm * tn, |t| {
         let (i0, j0) = (t % tm * MC, t / tm * NC);
         let tile = Tile {
             rows: (i0, (i0 + MC).min(m)),

@@ -26,7 +26,8 @@ pub struct DeviceArgs {
     #[arg(long, default_value = "cpu", value_name = "DEVICE")]
     pub device: String,
 
-    /// CPU threads for the kernels (default: all cores).
+    /// CPU threads for the kernels (default: the physical cores; a second hardware thread of a
+    /// core adds nothing to kernels bound by vector units and memory).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
 
@@ -52,18 +53,21 @@ fn parse_on_off(s: &str) -> std::result::Result<bool, String> {
 }
 
 impl DeviceArgs {
-    /// Opens the device, and sizes the CPU thread pools when `--threads` is given.
+    /// Opens the device, and sizes the CPU thread pools: `--threads`, else the physical cores.
     pub fn open(&self) -> Result<Device> {
-        if let Some(n) = self.threads {
-            if n == 0 {
-                bail!("--threads must be at least 1");
+        let n = match self.threads {
+            Some(0) => bail!("--threads must be at least 1"),
+            Some(n) => {
+                // candle's own pool (its elementwise ops on large tensors) reads the count from
+                // RAYON_NUM_THREADS when it starts; kvq's kernels use rayon's global pool.
+                std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+                n
             }
-            // Both candle's gemm/ops (RAYON_NUM_THREADS) and our own rayon kernels use rayon.
-            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-            let _ = rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build_global();
-        }
+            None => candle_core::utils::get_num_threads(),
+        };
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
         parse_device(&self.device)
     }
 }

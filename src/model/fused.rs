@@ -37,6 +37,9 @@ pub fn glu(gu: &Tensor, ff: usize, gelu: bool) -> Result<Tensor> {
     if gu.device().is_cuda() {
         return cuda::glu(gu, ff, gelu);
     }
+    if !gelu && super::fused_cpu::applies(gu) {
+        return super::fused_cpu::swiglu(gu, ff);
+    }
     glu_split(&gu.narrow(1, 0, ff)?, &gu.narrow(1, ff, ff)?, gelu)
 }
 

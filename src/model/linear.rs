@@ -80,9 +80,10 @@ impl Linear {
 
     /// The projections `parts` stacked along their outputs (`[Σ out, in]`, outputs in `parts`'
     /// order), so one matmul launch computes them all; `None` where they cannot be stacked
-    /// (kvq's CPU block kernels, mixed GGUF types or input widths, some with a bias and some
-    /// without). GGUF weights stack as their raw blocks: each output row is a whole run of
-    /// blocks, so the stacked rows are the parts' rows, bit for bit.
+    /// (mixed GGUF types or input widths, some with a bias and some without). GGUF weights
+    /// stack as their raw blocks: each output row is a whole run of blocks, so the stacked
+    /// rows are the parts' rows, bit for bit (and each output element is computed alone, so
+    /// the outputs are the parts' outputs).
     pub fn stacked(parts: &[&Linear]) -> Result<Option<Linear>> {
         let biases: Vec<&Tensor> = parts.iter().filter_map(|l| l.b.as_ref()).collect();
         if parts.is_empty() || !(biases.is_empty() || biases.len() == parts.len()) {
@@ -92,6 +93,19 @@ impl Linear {
             true => None,
             false => Some(Tensor::cat(&biases, 0)?),
         };
+        let blocks: Vec<&QMatrix> = parts
+            .iter()
+            .filter_map(|l| match &l.w {
+                Weight::Blocks(m) => Some(m.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if blocks.len() == parts.len() {
+            return Ok(QMatrix::stack(&blocks).map(|m| Linear {
+                w: Weight::Blocks(Arc::new(m)),
+                b,
+            }));
+        }
         let qs: Vec<&QTensor> = parts
             .iter()
             .filter_map(|l| match &l.w {

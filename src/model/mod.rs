@@ -6,6 +6,7 @@ pub mod config;
 pub mod fetch;
 pub mod fingerprint;
 pub mod fused;
+pub mod fused_cpu;
 pub mod gemv;
 pub mod gguf_check;
 pub mod hub;

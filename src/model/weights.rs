@@ -333,7 +333,7 @@ impl Weights {
                         q.dequantize(&self.device)?.to_dtype(self.dtype)?,
                     ))
                 } else if g.math == GgufMath::Blocks && QMatrix::supports(&q) {
-                    Weight::Blocks(Arc::new(QMatrix::new(Arc::new(q))?))
+                    Weight::Blocks(Arc::new(QMatrix::new(&q)?))
                 } else {
                     Weight::Candle(QMatMul::from_qtensor(q)?)
                 };
@@ -382,7 +382,7 @@ impl Weights {
             if g.math == GgufMath::Blocks && self.device.is_cpu() {
                 let q = g.qtensor("token_embd.weight", &self.device)?;
                 if QMatrix::supports(&q) {
-                    let m = Arc::new(QMatrix::new(Arc::new(q))?);
+                    let m = Arc::new(QMatrix::new(&q)?);
                     if m.dims() != (vocab, hidden) {
                         bail!(
                             "tensor token_embd.weight has shape {:?}, the config expects [{vocab}, {hidden}]",

@@ -1,5 +1,6 @@
 //! CPU kernels shared by the model and the KV cache.
 
 pub mod gguf;
+pub mod pool;
 pub mod row_matmul;
 pub(crate) mod tiles;

@@ -77,7 +77,7 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(y, dims, x.device())?.to_dtype(dtype)
 }
 
-fn cpu_slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
+pub(crate) fn cpu_slice<'a, T: WithDType>(s: &'a Storage, l: &Layout) -> Result<&'a [T]> {
     let Storage::Cpu(s) = s else {
         candle_core::bail!("row_matmul: expected CPU storage");
     };

@@ -1,9 +1,9 @@
 //! The parallel split of `y = x·Wᵀ` shared by the CPU matmul kernels ([`super::row_matmul`],
 //! [`super::gguf`]): `y` `[m, n]` in tiles of up to `mc` rows of `x` × `nc` rows of `W`, one
-//! rayon task per tile. The split only decides which elements are computed together, never the
+//! task of [`super::pool`] per tile. The split only decides which elements are computed together, never the
 //! order in which one is summed.
 
-use rayon::prelude::*;
+use super::pool;
 
 /// Rows `rows.0..rows.1` of `x` times rows `cols.0..cols.1` of `W`.
 #[derive(Clone, Copy)]
@@ -39,7 +39,7 @@ pub(crate) fn for_each_tile(
 ) {
     let (tm, tn) = (m.div_ceil(mc), n.div_ceil(nc));
     let out = OutPtr(y.as_mut_ptr());
-    (0..tm * tn).into_par_iter().for_each(|t| {
+    pool::for_each(tm * tn, |t| {
         let (i0, j0) = (t % tm * mc, t / tm * nc);
         let tile = Tile {
             rows: (i0, (i0 + mc).min(m)),

@@ -430,7 +430,7 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
     Ok(Report {
         config: cfg.clone(),
         device: device_name(device),
-        threads: rayon::current_num_threads(),
+        threads: crate::ops::pool::threads(),
         memcpy_ms,
         memcpy_gbps,
         rows,

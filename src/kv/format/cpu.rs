@@ -9,10 +9,10 @@
 //! than 2p+2 bits, so f32 arithmetic followed by one rounding equals native half arithmetic).
 
 use super::pack::{code_of, group_params, min_max, pack32, unpack32};
+use crate::ops::pool;
 use candle_core::WithDType;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
 #[cfg(target_arch = "x86_64")]
@@ -109,7 +109,7 @@ fn init<T: Copy>(s: &mut [MaybeUninit<T>], zero: T) -> &mut [T] {
     unsafe { &mut *(s as *mut [MaybeUninit<T>] as *mut [T]) }
 }
 
-/// Rows per rayon task for rows of `d` values.
+/// Rows per task for rows of `d` values.
 fn rows_per_task(d: usize) -> usize {
     (VALUES_PER_TASK / d).max(1)
 }
@@ -146,23 +146,34 @@ fn quantize_b<T: Elem, const B: u32>(
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
-    x.par_chunks(rpt * d)
-        .zip(codes.par_chunks_mut(rpt * words))
-        .zip(scales.par_chunks_mut(rpt * groups))
-        .zip(biases.par_chunks_mut(rpt * groups))
-        .for_each(|(((x, codes), scales), biases)| {
-            #[cfg(target_arch = "x86_64")]
-            if crate::simd::avx2::available() {
-                // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
-                return unsafe { x86::quantize_block::<T, B>(x, d, group, codes, scales, biases) };
-            }
-            let zero = T::from_f64(0.0);
-            let (codes, scales, biases) = (init(codes, 0), init(scales, zero), init(biases, zero));
-            quantize_task::<T, B>(x, d, group, codes, scales, biases)
-        });
+    let tasks = (x.len() / d.max(1)).div_ceil(rpt);
+    let (codes, scales, biases) = (
+        pool::Shared::new(codes),
+        pool::Shared::new(scales),
+        pool::Shared::new(biases),
+    );
+    pool::for_each(tasks, |i| {
+        let x = chunk(x, i, rpt * d);
+        // SAFETY: task i takes rows i·rpt.. of every output, disjoint from the other tasks'.
+        let (codes, scales, biases) = unsafe {
+            (
+                codes.piece(i * rpt * words, rpt * words),
+                scales.piece(i * rpt * groups, rpt * groups),
+                biases.piece(i * rpt * groups, rpt * groups),
+            )
+        };
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx2::available() {
+            // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
+            return unsafe { x86::quantize_block::<T, B>(x, d, group, codes, scales, biases) };
+        }
+        let zero = T::from_f64(0.0);
+        let (codes, scales, biases) = (init(codes, 0), init(scales, zero), init(biases, zero));
+        quantize_task::<T, B>(x, d, group, codes, scales, biases)
+    });
 }
 
-/// Quantizes a block of whole rows (one rayon task), portable version.
+/// Quantizes a block of whole rows (one task), portable version.
 fn quantize_task<T: Elem, const B: u32>(
     x: &[T],
     d: usize,
@@ -238,24 +249,33 @@ fn dequantize_b<T: Elem, const B: u32>(
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
-    out.par_chunks_mut(rpt * d)
-        .zip(codes.par_chunks(rpt * words))
-        .zip(scales.par_chunks(rpt * groups))
-        .zip(biases.par_chunks(rpt * groups))
-        .for_each(|(((out, codes), scales), biases)| {
-            #[cfg(target_arch = "x86_64")]
-            if crate::simd::avx2::available() {
-                // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
-                return unsafe {
-                    x86::dequantize_block::<T, B>(codes, scales, biases, d, group, out)
-                };
-            }
-            let out = init(out, T::from_f64(0.0));
-            dequantize_task::<T, B>(codes, scales, biases, d, group, out)
-        });
+    let tasks = (codes.len() / words.max(1)).div_ceil(rpt);
+    let out = pool::Shared::new(out);
+    pool::for_each(tasks, |i| {
+        let (codes, scales, biases) = (
+            chunk(codes, i, rpt * words),
+            chunk(scales, i, rpt * groups),
+            chunk(biases, i, rpt * groups),
+        );
+        // SAFETY: task i takes rows i·rpt.. of the output, disjoint from the other tasks'.
+        let out = unsafe { out.piece(i * rpt * d, rpt * d) };
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx2::available() {
+            // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
+            return unsafe { x86::dequantize_block::<T, B>(codes, scales, biases, d, group, out) };
+        }
+        let out = init(out, T::from_f64(0.0));
+        dequantize_task::<T, B>(codes, scales, biases, d, group, out)
+    });
 }
 
-/// Dequantizes a block of whole rows (one rayon task), portable version.
+/// Piece `i` of `s` cut in pieces of `len` (the last may be shorter).
+fn chunk<T>(s: &[T], i: usize, len: usize) -> &[T] {
+    let at = (i * len).min(s.len());
+    &s[at..(at + len).min(s.len())]
+}
+
+/// Dequantizes a block of whole rows (one task), portable version.
 fn dequantize_task<T: Elem, const B: u32>(
     codes: &[u32],
     scales: &[T],

@@ -4,7 +4,7 @@
 use super::{Block, GateUpProj, Llama, QkvProj};
 use crate::model::config::{Arch, ModelConfig, RopeScaling};
 use crate::model::gemv;
-use crate::model::linear::Linear;
+use crate::model::linear::{Linear, WeightMath};
 use crate::model::weights::{Name, Weights};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -48,15 +48,20 @@ impl Llama {
                     up: w.linear(Name::Up(l), h, ff, false)?,
                 }
             };
-            // On a GPU, one matmul launch for q/k/v and one for gate/up (each launch costs more
-            // host time than these small matmuls take); the CPU keeps its per-row kernels.
-            if !w.device().is_cpu() {
-                if let QkvProj::Split { q, k, v } = &qkv {
+            // One matmul for q/k/v and one for gate/up: on a GPU each launch costs more host
+            // time than these small matmuls take, and on the CPU each call wakes the thread
+            // pool. CPU weights stack where they are GGUF blocks (the dense ones would be
+            // copied: mapped safetensors become resident).
+            let cpu = w.device().is_cpu();
+            if let QkvProj::Split { q, k, v } = &qkv {
+                if !cpu || all_blocks(&[q, k, v]) {
                     if let Some(f) = Linear::stacked(&[q, k, v])? {
                         qkv = QkvProj::Fused(f);
                     }
                 }
-                if let GateUpProj::Split { gate, up } = &gate_up {
+            }
+            if let GateUpProj::Split { gate, up } = &gate_up {
+                if !cpu || all_blocks(&[gate, up]) {
                     if let Some(f) = Linear::stacked(&[gate, up])? {
                         gate_up = GateUpProj::Fused(f);
                     }
@@ -124,6 +129,11 @@ impl Llama {
             },
         })
     }
+}
+
+/// Whether every projection of `parts` is kept in GGUF blocks for kvq's CPU kernels.
+fn all_blocks(parts: &[&Linear]) -> bool {
+    parts.iter().all(|l| l.math() == WeightMath::Blocks)
 }
 
 /// cos/sin of `position * inv_freq` for every position of the window, f32 `[P, D/2]`, for

@@ -20,6 +20,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
 use super::fused;
+use super::fused_cpu;
 use super::gemv::{self, Epilogue};
 
 mod build;
@@ -30,6 +31,7 @@ use crate::kv::attend::FixedStep;
 use crate::kv::attend::{paged_attention, plan_decode, DecodeGroup, SeqSlice};
 use crate::kv::cache::{PagedKvCache, SeqId};
 use crate::kv::format::SlotRows;
+use crate::ops::pool;
 
 /// Q, K and V projections: three matrices, or one whose output rows are q, k, v (Phi-3).
 enum QkvProj {
@@ -170,6 +172,20 @@ impl Llama {
     /// must be reserved). Returns f32 logits `[rows, vocab]`: one row per sequence for
     /// [`LogitsFor::Last`], one per token (in input order) for [`LogitsFor::All`].
     pub fn forward(
+        &self,
+        inputs: &[SeqInput],
+        cache: &mut PagedKvCache,
+        which: LogitsFor,
+    ) -> Result<Tensor> {
+        if self.device.is_cpu() {
+            // On a thread of the kernels' pool: its ~150 parallel kernels then do not each wake
+            // this thread (`ops::pool`).
+            return pool::run(|| self.forward_here(inputs, cache, which));
+        }
+        self.forward_here(inputs, cache, which)
+    }
+
+    fn forward_here(
         &self,
         inputs: &[SeqInput],
         cache: &mut PagedKvCache,
@@ -368,6 +384,12 @@ impl Llama {
         let (q, k, v) = match (&b.qkv, s.rope) {
             (QkvProj::Fused(qkv), Rope::Tables(cos, sin)) => {
                 fused::rope_qkv(&qkv.forward(&hs)?, s.pos, (cos, sin), nh, nkv, hd)?
+            }
+            (QkvProj::Fused(qkv), Rope::Rows(cos, sin))
+                if b.q_norm.is_none() && fused_cpu::applies(&hs) =>
+            {
+                let (q, k, v) = fused_cpu::rope_qkv(&qkv.forward(&hs)?, cos, sin, (nh, nkv, hd))?;
+                (q, k, v)
             }
             (qkv, Rope::Rows(cos, sin)) => {
                 let (q, k, v) = match qkv {

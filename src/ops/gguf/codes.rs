@@ -4,6 +4,11 @@
 //! so the portable, AVX2 and AVX-512 kernels unpack the same codes and round the same products
 //! (integer ops are exact; `cvt`, `mul` and `add` round once, as IEEE says, on every ISA).
 //!
+//! 4-bit codes may instead be rebuilt by a lookup in a 16-entry table of the block's values
+//! ([`Codes::table16`], [`Codes::lookup16`]): one permute per vector on AVX-512, where a vector
+//! holds the whole table ([`Codes::TABLE16`]); the entries are the values [`super::blocks::widen`]
+//! computes, so both ways give the same f32 values.
+//!
 //! Every method is `unsafe`: pointers must be valid for `LANES` bytes, and an implementation may
 //! need the CPU features its caller has checked.
 
@@ -16,6 +21,13 @@ pub(crate) trait Codes: Simd {
     unsafe fn u8s(p: *const u8) -> Self::I;
     /// `LANES` bytes at `p`, sign-extended.
     unsafe fn i8s(p: *const u8) -> Self::I;
+    /// [`Codes::u8s`] kept whole: shifts of it stay shifts of the widened lanes. (LLVM turns a
+    /// shift of zero-extended bytes into a byte shift, a mask and a second widening; on AVX-512
+    /// the widening competes with the table lookups for one port.)
+    #[inline(always)]
+    unsafe fn u8s_kept(p: *const u8) -> Self::I {
+        Self::u8s(p)
+    }
     unsafe fn splat_i(x: i32) -> Self::I;
     /// Lane `l` holds `l + base`.
     unsafe fn iota(base: i32) -> Self::I;
@@ -32,6 +44,22 @@ pub(crate) trait Codes: Simd {
     unsafe fn to_f32(a: Self::I) -> Self::V;
     /// `a * b`, rounded once.
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+
+    /// A table of 16 f32 values.
+    type T16: Copy;
+    /// Whether [`Codes::lookup16`] is one instruction (the kernels then rebuild nibbles with it).
+    const TABLE16: bool = false;
+    /// Entry i (0..16) is `(i + offset)·scale + bias` (`bias`: one rounding, the product being
+    /// exact) or, without `biased`, `(i + offset)·scale`; `scale` and `bias` splat.
+    unsafe fn table16(scale: Self::V, bias: Self::V, offset: i32, biased: bool) -> Self::T16;
+    /// Lane l is `t[idx[l] & 15]`.
+    unsafe fn lookup16(t: Self::T16, idx: Self::I) -> Self::V;
+}
+
+/// `(i + offset)` for i in 0..16, as f32.
+#[inline(always)]
+fn iota16(offset: i32) -> [f32; 16] {
+    std::array::from_fn(|i| (i as i32 + offset) as f32)
 }
 
 impl Codes for Portable {
@@ -86,11 +114,26 @@ impl Codes for Portable {
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
         std::array::from_fn(|l| a[l] * b[l])
     }
+    type T16 = [f32; 16];
+    #[inline(always)]
+    unsafe fn table16(scale: Self::V, bias: Self::V, offset: i32, biased: bool) -> Self::T16 {
+        iota16(offset).map(|i| {
+            if biased {
+                i * scale[0] + bias[0]
+            } else {
+                i * scale[0]
+            }
+        })
+    }
+    #[inline(always)]
+    unsafe fn lookup16(t: Self::T16, idx: Self::I) -> Self::V {
+        idx.map(|i| t[(i & 15) as usize])
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::Codes;
+    use super::{iota16, Codes};
     use crate::simd::avx2::Avx2;
     use crate::simd::avx512::Avx512;
     use std::arch::x86_64::*;
@@ -160,6 +203,29 @@ mod x86 {
         unsafe fn mul(a: __m256, b: __m256) -> __m256 {
             _mm256_mul_ps(a, b)
         }
+        type T16 = [__m256; 2];
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn table16(scale: __m256, bias: __m256, offset: i32, biased: bool) -> [__m256; 2] {
+            let i = iota16(offset);
+            let half = |p: *const f32| {
+                let v = _mm256_loadu_ps(p);
+                if biased {
+                    _mm256_fmadd_ps(v, scale, bias)
+                } else {
+                    _mm256_mul_ps(v, scale)
+                }
+            };
+            [half(i.as_ptr()), half(i.as_ptr().add(8))]
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn lookup16(t: [__m256; 2], idx: __m256i) -> __m256 {
+            // Two 8-entry permutes (3 index bits each), chosen by bit 3 moved to the sign.
+            let lo = _mm256_permutevar8x32_ps(t[0], idx);
+            let hi = _mm256_permutevar8x32_ps(t[1], idx);
+            _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx)))
+        }
     }
 
     impl Codes for Avx512 {
@@ -173,6 +239,14 @@ mod x86 {
         #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
         unsafe fn i8s(p: *const u8) -> __m512i {
             _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn u8s_kept(p: *const u8) -> __m512i {
+            let mut v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
+            // An empty asm block the value passes through: LLVM cannot see into it.
+            std::arch::asm!("/* {0} */", inout(zmm_reg) v, options(pure, nomem, nostack));
+            v
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
@@ -226,6 +300,23 @@ mod x86 {
         #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
         unsafe fn mul(a: __m512, b: __m512) -> __m512 {
             _mm512_mul_ps(a, b)
+        }
+        type T16 = __m512;
+        const TABLE16: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn table16(scale: __m512, bias: __m512, offset: i32, biased: bool) -> __m512 {
+            let i = _mm512_loadu_ps(iota16(offset).as_ptr());
+            if biased {
+                _mm512_fmadd_ps(i, scale, bias)
+            } else {
+                _mm512_mul_ps(i, scale)
+            }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+        unsafe fn lookup16(t: __m512, idx: __m512i) -> __m512 {
+            _mm512_permutexvar_ps(idx, t)
         }
     }
 }

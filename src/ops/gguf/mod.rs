@@ -1,9 +1,11 @@
 //! GGUF weights multiplied at their stored size on the CPU.
 //!
 //! A decode step reads every weight once; kept in their GGUF blocks (Q4_1: 5 bits a weight)
-//! they cost a sixth of the bytes of dense f32 copies, and the memory those copies took. The
-//! kernels ([`kernel`]) widen each block in registers to the f32 values dequantization gives
-//! ([`blocks`]) and sum in the order of the dense row-invariant matmul, so the result is the
+//! they cost a sixth of the bytes of dense f32 copies, and the memory those copies took. Each
+//! matrix is split once at load into its block headers and codes ([`packed`]: the same bytes,
+//! rearranged). The kernels ([`kernel`]) widen each block in registers to the f32 values
+//! dequantization gives ([`blocks`]) and sum in the order of the dense row-invariant matmul, so
+//! the result is the
 //! dense f32 product of the dequantized weights (bit for bit on one ISA), and every row of the
 //! output depends only on its own row of activations (batch invariance). The ISA (AVX-512,
 //! AVX2, portable) is chosen once per process, as for the dense matmul.
@@ -11,14 +13,15 @@
 mod blocks;
 mod codes;
 mod kernel;
+mod packed;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Tensor};
-use std::sync::Arc;
 
 use crate::simd::Isa;
 use crate::simd::Portable;
 use blocks::Block;
+use packed::Packed;
 
 /// The GGUF block types with a kernel here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,7 +128,7 @@ macro_rules! with_block {
 fn matmul_slices(
     ty: BlockType,
     x: &[f32],
-    w: &[u8],
+    w: &Packed,
     (m, n, k): (usize, usize, usize),
     y: &mut [f32],
     isa: Isa,
@@ -133,10 +136,10 @@ fn matmul_slices(
     with_block!(ty, B => kernel::run::<B>(x, w, m, n, k, y, isa))
 }
 
-/// A `[n, k]` CPU weight matrix kept in its GGUF blocks.
+/// A `[n, k]` CPU weight matrix kept in its GGUF blocks (headers and codes apart: [`packed`]).
 #[derive(Debug, Clone)]
 pub struct QMatrix {
-    q: Arc<QTensor>,
+    w: Packed,
     ty: BlockType,
     n: usize,
     k: usize,
@@ -149,8 +152,9 @@ impl QMatrix {
         BlockType::of(q.dtype()).is_some() && q.shape().rank() == 2 && q.device().is_cpu()
     }
 
-    /// Wraps a CPU tensor of a supported type (see [`QMatrix::supports`]).
-    pub fn new(q: Arc<QTensor>) -> Result<Self> {
+    /// Splits a CPU tensor of a supported type (see [`QMatrix::supports`]); the tensor can be
+    /// dropped after.
+    pub fn new(q: &QTensor) -> Result<Self> {
         let Some(ty) = BlockType::of(q.dtype()) else {
             candle_core::bail!("no CPU block kernel for GGUF type {:?}", q.dtype());
         };
@@ -165,7 +169,27 @@ impl QMatrix {
                 ty.block_elems()
             );
         }
-        Ok(Self { q, ty, n, k })
+        let data = q.data()?;
+        let nb = k / ty.block_elems();
+        let w = with_block!(ty, B => Packed::split::<B>(&data, n, nb));
+        Ok(Self { w, ty, n, k })
+    }
+
+    /// The matrices `parts` stacked along their rows (`[Σ n, k]`, rows in `parts`' order), so
+    /// one call multiplies them all; `None` unless they share the block type and `k`. Rows are
+    /// the parts' rows byte for byte, so each output is what the part alone gives.
+    pub fn stack(parts: &[&QMatrix]) -> Option<QMatrix> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.ty != first.ty || p.k != first.k) {
+            return None;
+        }
+        let w = Packed::stack(&parts.iter().map(|p| &p.w).collect::<Vec<_>>());
+        Some(Self {
+            w,
+            ty: first.ty,
+            n: parts.iter().map(|p| p.n).sum(),
+            k: first.k,
+        })
     }
 
     pub fn block_type(&self) -> BlockType {
@@ -177,9 +201,9 @@ impl QMatrix {
         (self.n, self.k)
     }
 
-    /// The tensor itself (for candle's own quantized matmul).
-    pub fn qtensor(&self) -> &Arc<QTensor> {
-        &self.q
+    /// Bytes of the blocks (the GGUF tensor's size).
+    pub fn bytes(&self) -> usize {
+        self.w.bytes()
     }
 
     /// `x·Wᵀ`: `x` `[.., k]` (CPU, f32 / f16 / bf16) → `[.., n]` in `x`'s dtype. Activations
@@ -201,17 +225,20 @@ impl QMatrix {
         let lead = &x.dims()[..x.rank() - 1];
         let m: usize = lead.iter().product();
         let dtype = x.dtype();
-        let xs: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
         let mut y = vec![0f32; m * self.n];
-        let data = self.q.data()?;
-        matmul_slices(
-            self.ty,
-            &xs,
-            &data,
-            (m, self.n, self.k),
-            &mut y,
-            Isa::widest(),
-        );
+        {
+            let (xs, xl) = x.storage_and_layout();
+            let xs = crate::ops::row_matmul::cpu_slice::<f32>(&xs, xl)?;
+            matmul_slices(
+                self.ty,
+                xs,
+                &self.w,
+                (m, self.n, self.k),
+                &mut y,
+                Isa::widest(),
+            );
+        }
         let mut dims = lead.to_vec();
         dims.push(self.n);
         Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(dtype)
@@ -220,34 +247,41 @@ impl QMatrix {
     /// Rows `ids` of the matrix, dequantized (the values dequantizing the tensor gives):
     /// `[ids.len(), k]` f32. An embedding lookup that keeps the table in its blocks.
     pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
-        let data = self.q.data()?;
-        let row_bytes = self.k / self.ty.block_elems() * self.ty.ggml().type_size();
         let mut out = vec![0f32; ids.len() * self.k];
         for (dst, &id) in out.chunks_exact_mut(self.k.max(1)).zip(ids) {
             let id = id as usize;
             if id >= self.n {
                 candle_core::bail!("row {id} is out of range for a matrix of {} rows", self.n);
             }
-            let row = &data[id * row_bytes..][..row_bytes];
-            with_block!(self.ty, B => dequantize_row::<B>(row, dst));
+            with_block!(self.ty, B => dequantize_row::<B>(&self.w, id, dst));
         }
         Tensor::from_vec(out, (ids.len(), self.k), &Device::Cpu)
     }
 }
 
-/// One row of blocks to f32, with the portable decoders (the same values every ISA widens).
-fn dequantize_row<B: Block>(row: &[u8], out: &mut [f32]) {
+/// Row `r` of `w` to f32, with the portable decoders (the same values every ISA widens).
+fn dequantize_row<B: Block>(w: &Packed, r: usize, out: &mut [f32]) {
     use crate::simd::Simd;
-    assert_eq!(row.len() / B::BYTES * B::ELEMS, out.len());
+    let nb = out.len() / B::ELEMS;
+    let heads = &w.heads()[r * nb * B::HEAD..][..nb * B::HEAD];
+    let codes = &w.codes()[r * nb * B::CODES..][..nb * B::CODES];
+    let mut params = vec![0f32; B::PARAMS];
+    let per_group = if B::BIAS { 2 } else { 1 };
     for (b, dst) in out.chunks_exact_mut(B::ELEMS).enumerate() {
-        let blk = row[b * B::BYTES..].as_ptr();
-        for g in 0..B::ELEMS / B::GROUP {
-            // SAFETY: `blk` starts a whole block of `row`; the portable ops need no features.
+        B::params(&heads[b * B::HEAD..][..B::HEAD], &mut params);
+        let q = codes[b * B::CODES..].as_ptr();
+        for g in 0..B::GROUPS {
+            let sc = params[g * per_group];
+            let bi = if B::BIAS {
+                params[g * per_group + 1]
+            } else {
+                0.0
+            };
+            // SAFETY: `q` starts a whole block of codes; the portable ops need no features.
             unsafe {
-                let (sc, bi) = B::affine::<Portable>(blk, g);
                 let (sc, bi) = (Portable::splat(sc), Portable::splat(bi));
                 for e0 in (0..B::GROUP).step_by(Portable::LANES) {
-                    let v = blocks::widen::<Portable, B>(blk, g, e0, sc, bi);
+                    let v = blocks::widen::<Portable, B>(q, g, e0, sc, bi);
                     Portable::store(dst[g * B::GROUP + e0..].as_mut_ptr(), v);
                 }
             }

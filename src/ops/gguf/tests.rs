@@ -34,7 +34,7 @@ fn quantized(ty: BlockType, n: usize, k: usize, seed: u64) -> (QMatrix, Vec<f32>
         .unwrap()
         .to_vec1()
         .unwrap();
-    (QMatrix::new(Arc::new(q)).unwrap(), deq)
+    (QMatrix::new(&q).unwrap(), deq)
 }
 
 /// Shapes `(m, n, k)`: batch 1, 3, 17 and more rows than a tile; row counts of `W` that are
@@ -58,7 +58,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn run_q(q: &QMatrix, x: &[f32], m: usize, isa: Isa) -> Vec<f32> {
     let (n, k) = q.dims();
     let mut y = vec![0f32; m * n];
-    matmul_slices(q.ty, x, &q.q.data().unwrap(), (m, n, k), &mut y, isa);
+    matmul_slices(q.ty, x, &q.w, (m, n, k), &mut y, isa);
     y
 }
 
@@ -169,6 +169,61 @@ fn refuses_types_without_a_kernel() {
     let t = Tensor::from_vec(values(64, 1), (2, 32), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&t, GgmlDType::F16).unwrap();
     assert!(!QMatrix::supports(&q));
-    let e = QMatrix::new(Arc::new(q)).unwrap_err().to_string();
+    let e = QMatrix::new(&q).unwrap_err().to_string();
     assert!(e.contains("no CPU block kernel"), "{e}");
+}
+
+/// Each type's split covers its GGUF block: header and codes add up to ggml's block size, and
+/// the matrix keeps the tensor's bytes.
+#[test]
+fn splits_keep_the_block_bytes() {
+    for ty in BlockType::ALL {
+        with_block!(ty, B => {
+            assert_eq!(B::BYTES, ty.ggml().type_size(), "{ty:?}");
+            assert_eq!(B::ELEMS, ty.block_elems(), "{ty:?}");
+            if B::HALF_HEAD {
+                assert_eq!(B::HEAD, 2 * B::PARAMS, "{ty:?}");
+            }
+        });
+        let (q, _) = quantized(ty, 5, 2 * ty.block_elems(), 2);
+        assert_eq!(q.bytes(), 5 * 2 * ty.ggml().type_size(), "{ty:?}");
+    }
+}
+
+/// Stacked matrices multiply as their parts, bit for bit; mixed types or widths do not stack.
+#[test]
+fn stacked_rows_equal_their_parts() {
+    for ty in [BlockType::Q4_1, BlockType::Q8_0, BlockType::Q6K] {
+        let k = 2 * ty.block_elems();
+        let parts: Vec<(QMatrix, Vec<f32>)> = [9, 3, 3]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| quantized(ty, n, k, 20 + i as u64))
+            .collect();
+        let refs: Vec<&QMatrix> = parts.iter().map(|p| &p.0).collect();
+        let all = QMatrix::stack(&refs).unwrap();
+        assert_eq!(all.dims(), (15, k));
+        let x = values(3 * k, 4);
+        for isa in Isa::all_available() {
+            let y = run_q(&all, &x, 3, isa);
+            let mut at = 0;
+            for (p, _) in &parts {
+                let yp = run_q(p, &x, 3, isa);
+                let n = p.dims().0;
+                for r in 0..3 {
+                    assert_eq!(
+                        bits(&yp[r * n..][..n]),
+                        bits(&y[r * 15 + at..][..n]),
+                        "{ty:?} {isa:?}"
+                    );
+                }
+                at += n;
+            }
+        }
+    }
+    let (a, _) = quantized(BlockType::Q4_1, 2, 64, 1);
+    let (b, _) = quantized(BlockType::Q4_0, 2, 64, 1);
+    let (c, _) = quantized(BlockType::Q4_1, 2, 96, 1);
+    assert!(QMatrix::stack(&[&a, &b]).is_none());
+    assert!(QMatrix::stack(&[&a, &c]).is_none());
 }

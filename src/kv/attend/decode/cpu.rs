@@ -1,6 +1,6 @@
 //! The fused CPU decode kernel.
 //!
-//! Work is split into tasks of (sequence, position chunk), run with rayon; each task returns,
+//! Work is split into tasks of (sequence, position chunk), run on the thread pool ([`pool`]); each task returns,
 //! for every KV head, the softmax max, sum and weighted V of its positions for the `G` query
 //! heads of that KV head ([`kernel`] says how a task reads K and V: all heads of a slot row
 //! together, since they sit side by side), and the partial states of one (sequence, KV head)
@@ -21,13 +21,13 @@ mod rows;
 
 use super::{generic, Dims, Tables};
 use crate::kv::format::LayerKv;
+use crate::ops::pool;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{avx2, avx512};
 use crate::simd::{Isa, Portable};
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 use kernel::{Scratch, Shape};
-use rayon::prelude::*;
 use rows::{AffineRows, DenseRows, Rows};
 use std::cell::RefCell;
 
@@ -36,6 +36,8 @@ const MIN_CHUNK: usize = 64;
 const MAX_CHUNK: usize = 1024;
 /// Chunks a sequence is split into, within those bounds.
 const SPLITS: usize = 16;
+/// (Sequence, KV head) pairs from which their merges run in parallel.
+const MERGE_PAR: usize = 64;
 
 /// Positions per task of a sequence with `span` visible positions. A function of the span
 /// alone (not of the batch or the thread count): the chunking fixes the order in which a
@@ -116,31 +118,33 @@ fn run<R: AnyRows>(
     // Per task and KV head: [max (G) | sum (G) | weighted V (G × head_dim)].
     let stride = 2 * g + g * hd;
     let mut parts = vec![0f32; plan.tasks.len() * d.kv_heads * stride];
-    parts
-        .par_chunks_mut(d.kv_heads * stride)
-        .zip(plan.tasks.par_iter())
-        .for_each(|(out, task)| {
-            SCRATCH.with_borrow_mut(|(scratch, slots)| {
-                fill_slots(slots, d, t, task);
-                let qb = &q[task.b * d.heads * hd..][..d.heads * hd];
-                // SAFETY: `read_tables` checked every slot against the pool and `decode` that
-                // the views span it; head_dim and group are multiples of the lanes (checked by
-                // `Isa::best` and the format); an ISA only after its detection.
-                unsafe {
-                    match isa {
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => task_avx512(&heads, qb, slots, sh, scratch, out),
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => task_avx2(&heads, qb, slots, sh, scratch, out),
-                        Isa::Portable => {
-                            kernel::task::<Portable, R>(&heads, qb, slots, sh, scratch, out)
-                        }
+    let per_task = d.kv_heads * stride;
+    let shared = pool::Shared::new(&mut parts);
+    pool::for_each(plan.tasks.len(), |i| {
+        let task = &plan.tasks[i];
+        // SAFETY: task i writes only its own piece.
+        let out = unsafe { shared.piece(i * per_task, per_task) };
+        SCRATCH.with_borrow_mut(|(scratch, slots)| {
+            fill_slots(slots, d, t, task);
+            let qb = &q[task.b * d.heads * hd..][..d.heads * hd];
+            // SAFETY: `read_tables` checked every slot against the pool and `decode` that
+            // the views span it; head_dim and group are multiples of the lanes (checked by
+            // `Isa::best` and the format); an ISA only after its detection.
+            unsafe {
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => task_avx512(&heads, qb, slots, sh, scratch, out),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => task_avx2(&heads, qb, slots, sh, scratch, out),
+                    Isa::Portable => {
+                        kernel::task::<Portable, R>(&heads, qb, slots, sh, scratch, out)
                     }
                 }
-            })
-        });
+            }
+        })
+    });
     let mut out = vec![0f32; d.batch * d.heads * hd];
-    out.par_chunks_mut(g * hd).enumerate().for_each(|(i, o)| {
+    let merge_one = |i: usize, o: &mut [f32]| {
         merge(
             plan,
             &parts,
@@ -152,7 +156,20 @@ fn run<R: AnyRows>(
             i % d.kv_heads,
             o,
         )
-    });
+    };
+    // A merge is a few hundred operations per (sequence, KV head): in parallel only where
+    // there are many.
+    if d.batch * d.kv_heads < MERGE_PAR {
+        for (i, o) in out.chunks_exact_mut(g * hd).enumerate() {
+            merge_one(i, o);
+        }
+    } else {
+        let shared = pool::Shared::new(&mut out);
+        // SAFETY: merge i writes only its own piece.
+        pool::for_each(d.batch * d.kv_heads, |i| {
+            merge_one(i, unsafe { shared.piece(i * g * hd, g * hd) })
+        });
+    }
     out
 }
 

@@ -13,7 +13,7 @@
 //! long contexts use every core (split-K).
 //!
 //! Three implementations, one contract:
-//! - `cpu`: fused kernel, rayon over (sequence, KV head, position chunk);
+//! - `cpu`: fused kernel, the thread pool over (sequence, position chunk);
 //! - `cuda` (`--features cuda`): fused kernel of `kernels/decode.cu`, one thread block per
 //!   (sequence, KV head, position split), plus a merge kernel;
 //! - [`generic`]: gather → dequantize → dense attention with candle ops, for other backends and

@@ -24,8 +24,12 @@ Two SentencePiece models (BPE with byte fallback) are trained here on the start 
 bos 2, unk 3, no dummy prefix, <start_of_turn>/<end_of_turn>) for the Gemma models and a
 Llama-style one (unk 0, bos 1, eos 2, dummy prefix) for the others.
 
-CI never runs this: the outputs are committed. Needs torch, transformers, sentencepiece, gguf.
-Usage: python3 scripts/make_tiny_models.py [--corpus PATH] [--out fixtures/tiny]
+CI never runs this: the outputs are committed. Needs torch, transformers, sentencepiece, gguf
+(the committed fixtures: torch 2.15.0, transformers 5.24.0, sentencepiece 0.2.3, gguf 0.19.0,
+numpy 2.4.6, protobuf 7.36.2; torch's default PyPI wheel reproduces the Phi-3, Mistral and Qwen2
+files byte for byte, the Gemma logits to within 1e-5). `--only` rebuilds the named architectures
+and leaves the others' files untouched.
+Usage: python3 scripts/make_tiny_models.py [--corpus PATH] [--out fixtures/tiny] [--only ARCH...]
 """
 
 import argparse
@@ -48,6 +52,10 @@ WINDOW = 16
 # (see `randomize`), so without a gain the logits are too, and the first greedy steps are
 # near-ties (top-two margins below 0.05) that no quantized cache could be checked against.
 GEMMA_FINAL_NORM_GAIN = 30.0
+# Multiplies Phi-3's final norm weight. With a window its logits (up to ±3.6 otherwise) have
+# near-ties (top-two margins below 0.05) at the first or second greedy step of both prompts, so the
+# 8-bit cache test would compare a single token; scaled, nine more. The scale leaves the argmax.
+PHI3_FINAL_NORM_SCALE = 2.5
 NEW_TOKENS = 12
 
 MULTILINGUAL = [
@@ -234,7 +242,7 @@ def arch_configs(vocab: int) -> dict:
             pad_token_id=0, eos_token_id=[1, 6], bos_token_id=2, **base)),
         "phi3": ("phi3", transformers.Phi3Config(
             hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, sliding_window=None,
+            num_attention_heads=2, num_key_value_heads=1, sliding_window=WINDOW,
             rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None,
             bos_token_id=1, eos_token_id=2, **base)),
         "mistral": ("llama", transformers.MistralConfig(
@@ -256,18 +264,21 @@ def layer_is_sliding(model) -> list[bool]:
     return [cfg.sliding_window is not None] * cfg.num_hidden_layers
 
 
-def randomize(model, gemma: bool):
+def randomize(model, name: str):
     """Seeded weights rounded to f16; norm weights around 1 (Gemma: around 0, used as 1 + w)."""
+    gemma = name.startswith("gemma")
     g = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
                 x = torch.randn(p.shape, generator=g) * 0.1 + (0.0 if gemma else 1.0)
-                if gemma and name == "model.norm.weight":
+                if gemma and pname == "model.norm.weight":
                     x = x + GEMMA_FINAL_NORM_GAIN
-            elif name.endswith(".bias"):
+                if name == "phi3" and pname == "model.norm.weight":
+                    x = x * PHI3_FINAL_NORM_SCALE
+            elif pname.endswith(".bias"):
                 x = torch.randn(p.shape, generator=g) * 0.1
-            elif gemma and "embed_tokens" in name:
+            elif gemma and "embed_tokens" in pname:
                 # Scaled by sqrt(hidden) on the way in: keep the token's own embedding from
                 # dominating the tied output projection (greedy would repeat the last token).
                 x = torch.randn(p.shape, generator=g) * 0.01
@@ -303,7 +314,8 @@ def write_gguf(path: str, name: str, arch: str, model, sp_model: str, tok, eot):
     sliding = layer_is_sliding(model)
     if any(sliding):
         w.add_sliding_window(cfg.sliding_window)
-        w.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
+        if name != "phi3":  # llama.cpp's Phi-3 converter writes the window alone
+            w.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
     if name == "gemma3":
         w.add_float32(f"{arch}.rope.freq_base_swa", rope["sliding"])
     if name == "gemma2":
@@ -395,7 +407,7 @@ def build(name: str, arch: str, cfg, sp_model: str, gemma: bool, out_dir: str):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
                                              dtype=torch.float32)
     model.eval()
-    randomize(model, gemma)
+    randomize(model, name)
     tok = hf_tokenizer(sp_model, gemma)
     eot = tok.convert_tokens_to_ids("<end_of_turn>") if gemma else None
     d = os.path.join(out_dir, name)

@@ -93,9 +93,6 @@ fn layer_kinds(
         .collect()
 }
 
-/// Which layers slide by default when the config lists none: Gemma 2 every other layer from
-/// the first, Gemma 3 five of every six, Mistral and Phi-3 all of them (when a window is set),
-/// Qwen2 the layers from `max_window_layers` on.
 /// Most layers a config may claim: checked as soon as the count is read, before per-layer
 /// tables are built from it (the same bound `validate` applies).
 const MAX_LAYERS: usize = 1 << 16;
@@ -107,6 +104,9 @@ fn check_layer_count(n: usize) -> Result<usize> {
     Ok(n)
 }
 
+/// Which layers slide by default when the config lists none: Gemma 2 every other layer from
+/// the first, Gemma 3 five of every six, Mistral and Phi-3 all of them (when a window is set),
+/// Qwen2 the layers from `max_window_layers` on.
 fn default_sliding(arch: Arch, layers: usize, qwen2_first: usize) -> Vec<bool> {
     (0..layers)
         .map(|l| match arch {

@@ -1,5 +1,5 @@
 //! GGUF metadata as llama.cpp's converter writes it for Gemma models, and Hugging Face
-//! configs with RoPE scaling.
+//! configs with RoPE scaling and sliding windows.
 
 use super::*;
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value as G, VersionedMagic};
@@ -126,4 +126,26 @@ fn hf_linear_rope_scaling_in_both_spellings() {
     .unwrap();
     assert_eq!(c.rope_scaling, linear);
     assert!(with("rope_scaling", serde_json::json!({"rope_type": "linear"})).is_err());
+}
+
+#[test]
+fn phi3_mini_window_covers_every_layer() {
+    // Phi-3-mini-4k-instruct's config.json (the parts kvq reads): one window for all layers.
+    let v = serde_json::json!({
+        "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "rope_scaling": null, "sliding_window": 2047,
+        "tie_word_embeddings": false,
+    });
+    let c = ModelConfig::from_hf_json(&v).unwrap();
+    assert_eq!(c.arch, Arch::Phi3);
+    assert_eq!(c.layers.len(), 32);
+    assert!(c.layers.iter().all(|l| l.window == Some(2047)), "{:?}", c.layers);
+    assert_eq!(c.sliding_window(), Some(2047));
+    // Without a window every layer is global.
+    let mut g = v.clone();
+    g["sliding_window"] = serde_json::Value::Null;
+    let c = ModelConfig::from_hf_json(&g).unwrap();
+    assert!(c.layers.iter().all(|l| l.window.is_none()));
 }

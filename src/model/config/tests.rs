@@ -141,7 +141,11 @@ fn phi3_mini_window_covers_every_layer() {
     let c = ModelConfig::from_hf_json(&v).unwrap();
     assert_eq!(c.arch, Arch::Phi3);
     assert_eq!(c.layers.len(), 32);
-    assert!(c.layers.iter().all(|l| l.window == Some(2047)), "{:?}", c.layers);
+    assert!(
+        c.layers.iter().all(|l| l.window == Some(2047)),
+        "{:?}",
+        c.layers
+    );
     assert_eq!(c.sliding_window(), Some(2047));
     // Without a window every layer is global.
     let mut g = v.clone();

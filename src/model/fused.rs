@@ -111,7 +111,7 @@ pub fn rope_qkv_into(
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+pub(crate) mod cuda {
     use crate::device::kernels::{cuda_device as device, dtype_suffix, kernel, view, wrap, Module};
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
@@ -125,6 +125,25 @@ mod cuda {
     fn name(op: &str, dtype: DType) -> Result<String> {
         let t = dtype_suffix(dtype).ok_or_else(|| err(format!("unsupported dtype {dtype:?}")))?;
         Ok(format!("{op}_{t}"))
+    }
+
+    /// Whether K/V pools `[slots, width]` of `dtype` and u32 slot ids `[rows]` can take a
+    /// step's K/V rows written in place.
+    pub(crate) fn pool_fits(
+        (kp, vp, sl): (&Tensor, &Tensor, &Tensor),
+        dtype: DType,
+        rows: usize,
+        width: usize,
+    ) -> Result<bool> {
+        Ok(kp.dtype() == dtype
+            && vp.dtype() == dtype
+            && kp.is_contiguous()
+            && vp.is_contiguous()
+            && kp.dims().len() == 2
+            && kp.dim(1)? == width
+            && vp.dims() == kp.dims()
+            && sl.dims() == [rows]
+            && sl.dtype() == DType::U32)
     }
 
     fn int(v: usize, what: &str) -> Result<i32> {
@@ -296,16 +315,7 @@ mod cuda {
             return Err(err("rope_qkv: tables must be f32 [positions, D/2]".into()));
         }
         if let KvOut::Pool(kp, vp, sl) = &out {
-            let ok = kp.dtype() == qkv.dtype()
-                && vp.dtype() == qkv.dtype()
-                && kp.is_contiguous()
-                && vp.is_contiguous()
-                && kp.dims().len() == 2
-                && kp.dim(1)? == kv_heads * d
-                && vp.dims() == kp.dims()
-                && sl.dims() == [rows]
-                && sl.dtype() == DType::U32;
-            if !ok {
+            if !pool_fits((kp, vp, sl), qkv.dtype(), rows, kv_heads * d)? {
                 return Err(err("rope_qkv_into: pools or slots do not fit".into()));
             }
         }

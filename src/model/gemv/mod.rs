@@ -411,17 +411,8 @@ mod cuda {
         if cos.dtype() != DType::F32 || cos.dim(1)? != d / 2 || sin.dims() != cos.dims() {
             return Err(err("RoPE tables must be f32 [positions, D/2]".into()));
         }
-        if let Some((kp, vp, sl)) = rope.pool {
-            let ok = kp.dtype() == dtype
-                && vp.dtype() == dtype
-                && kp.is_contiguous()
-                && vp.is_contiguous()
-                && kp.dims().len() == 2
-                && kp.dim(1)? == kv_heads * d
-                && vp.dims() == kp.dims()
-                && sl.dims() == [rows]
-                && sl.dtype() == DType::U32;
-            if !ok {
+        if let Some(pool) = rope.pool {
+            if !crate::model::fused::cuda::pool_fits(pool, dtype, rows, kv_heads * d)? {
                 return Err(err("pools or slots do not fit".into()));
             }
         }

@@ -444,19 +444,8 @@ impl Llama {
         s: &Step<'_>,
     ) -> Result<(Tensor, Tensor)> {
         let cfg = &self.cfg;
-        let (nh, hd) = (cfg.num_heads, cfg.head_dim);
         let eps = cfg.rms_norm_eps as f32;
-        let t = q.dim(0)?;
-        let attn = paged_attention(
-            q,
-            s.cache,
-            l,
-            s.batch,
-            s.decode,
-            cfg.attn_scale,
-            cfg.attn_softcap,
-        )?
-        .reshape((t, nh * hd))?;
+        let attn = self.attend(l, q, s)?;
         let mut attn = b.o.forward(&attn)?;
         if let Some(n) = &b.post_attn_norm {
             attn = candle_nn::ops::rms_norm(&attn, n, eps)?;
@@ -474,6 +463,23 @@ impl Llama {
             mlp = candle_nn::ops::rms_norm(&mlp, n, eps)?;
         }
         Ok((x1, mlp))
+    }
+
+    /// Layer `l`'s attention of the rows `q` (`[T, H, D]`, RoPE applied, the step's K/V already
+    /// written) over the cache: `[T, H·D]`.
+    fn attend(&self, l: usize, q: &Tensor, s: &Step) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let t = q.dim(0)?;
+        let attn = paged_attention(
+            q,
+            s.cache,
+            l,
+            s.batch,
+            s.decode,
+            cfg.attn_scale,
+            cfg.attn_softcap,
+        )?;
+        Ok(attn.reshape((t, cfg.num_heads * cfg.head_dim))?)
     }
 
     /// The last residual add (`x + mlp`), final norm, output projection and soft-capping: f32

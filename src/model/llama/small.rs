@@ -5,7 +5,6 @@ use anyhow::{bail, Result};
 use candle_core::Tensor;
 
 use super::{Block, GateUpProj, Llama, QkvProj, Rope, Step, Writes};
-use crate::kv::attend::paged_attention;
 use crate::model::gemv::{self, Epilogue};
 use crate::model::linear::Linear;
 
@@ -73,17 +72,7 @@ impl Llama {
                 Writes::Fixed(slots) => s.cache.write_fixed(l, slots, &k, &v)?,
             }
         }
-        let t = q.dim(0)?;
-        let attn = paged_attention(
-            &q,
-            s.cache,
-            l,
-            s.batch,
-            s.decode,
-            cfg.attn_scale,
-            cfg.attn_softcap,
-        )?
-        .reshape((t, nh * hd))?;
+        let attn = self.attend(l, &q, s)?;
         let (o, down) = (&b.o, &b.down);
         let (_, x1) = gemv::project(&attn, None, None, &dense(o)?, o.bias(), Epilogue::Add(&x))?;
         let glu = Epilogue::Glu {

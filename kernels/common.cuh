@@ -9,6 +9,26 @@ __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+// Programmatic dependent launch (src/device/kernels/pdl.rs): pdl_trigger lets the next kernel in
+// the stream start launching; pdl_wait blocks until the kernel before this one has finished and
+// its writes are visible. Kernels launched with the attribute call pdl_wait before they read
+// anything an earlier kernel wrote or write anything; launched plainly, both do nothing.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Both, for kernels with nothing to do before their inputs are ready.
+__device__ __forceinline__ void pdl_start() {
+    pdl_trigger();
+    pdl_wait();
+}
+
 template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }

@@ -18,6 +18,8 @@
 // (the block-wide kernel above), warp_shape.cuh / warp_scores.cuh / warp_values.cuh / warp.cuh
 // (the warp-independent kernel: its sizes, its steps, its loop), async.cuh (cp.async, ldmatrix,
 // mma), merge.cuh (the split merge). This file holds the entry points the host looks up by name.
+// Every entry point starts with pdl_start() (common.cuh): the host launches them as programmatic
+// dependents (src/device/kernels/pdl.rs).
 #include "decode/block.cuh"
 #include "decode/warp.cuh"
 #include "decode/merge.cuh"
@@ -25,6 +27,7 @@
 #define KVQ_MERGE(TNAME, T)                                                                          \
     extern "C" __global__ void decode_merge_##TNAME(const float* part_acc, const float* part_ml,     \
                                                     T* out, int nsplit, int BH, int D) {           \
+        pdl_start();                                                                                \
         merge_impl<T>(part_acc, part_ml, out, nsplit, BH, D);                                       \
     }
 KVQ_MERGE(f32, float)
@@ -33,10 +36,11 @@ KVQ_MERGE(bf16, __nv_bfloat16)
 
 // Dense pools: decode_<pool type>_dense_q<query type>, queries scaled in the kernel.
 #define KVQ_DENSE_Q(TNAME, T, QNAME, QT)                                                             \
-    extern "C" __global__ void decode_##TNAME##_dense_q##QNAME(                                     \
+    extern "C" __global__ void __launch_bounds__(NT, 4) decode_##TNAME##_dense_q##QNAME(            \
         const QT* q, float scale, const T* kd, const T* vd, const uint32_t* tables,                  \
         const uint32_t* starts, const uint32_t* lens, int max_blocks, int num_blocks,                \
         int block_size, int kvh, int G, int D, int split_len, float* part_acc, float* part_ml) {    \
+        pdl_start();                                                                                \
         decode_impl<T, 0, QT>(q, scale, kd, vd, nullptr, nullptr, nullptr, nullptr, nullptr,        \
                               nullptr, tables, starts, lens, max_blocks, num_blocks, block_size,    \
                               kvh, G, D, 32, split_len, part_acc, part_ml);                         \
@@ -51,6 +55,7 @@ KVQ_MERGE(bf16, __nv_bfloat16)
         const T* vs, const T* vb, const uint32_t* tables, const uint32_t* starts,                   \
         const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G, int D, \
         int group, int split_len, float* part_acc, float* part_ml) {                                \
+        pdl_start();                                                                                \
         decode_impl<T, B, float>(q, 1.f, nullptr, nullptr, kc, ks, kb, vc, vs, vb, tables, starts,  \
                                  lens,                                                              \
                           max_blocks, num_blocks, block_size, kvh, G, D, group, split_len,          \
@@ -76,6 +81,7 @@ KVQ_MERGE(bf16, __nv_bfloat16)
 #define KVQ_Q(TNAME, T, B, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(QW * 32, 4)                                        \
         decode_q_##TNAME##_b##B##_d##D(KVQ_Q_ARGS(T)) {                                                \
+        pdl_start();                                                                                \
         qdecode_impl<T, B, D, 0>(KVQ_Q_PASS);                                                        \
     }
 
@@ -84,6 +90,7 @@ KVQ_MERGE(bf16, __nv_bfloat16)
 #define KVQ_QM(TNAME, T, B, D, GS)                                                                   \
     extern "C" __global__ void __launch_bounds__(QW * 32, B == 4 ? 4 : 3)                           \
         decode_qm_##TNAME##_b##B##_d##D##_g##GS(KVQ_Q_ARGS(T)) {                                       \
+        pdl_start();                                                                                \
         qdecode_impl<T, B, D, GS>(KVQ_Q_PASS);                                                       \
     }
 

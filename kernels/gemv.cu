@@ -12,11 +12,13 @@
 //   the K/V writes of kernels/fused.cu's rope_qkv as its epilogue.
 // The rows' inputs sit in shared memory as f32 (rows * K * 4 <= 48 KiB, checked by the host);
 // each warp computes two weight rows for every input row, reading each weight once with
-// 16-byte loads, several in flight per lane.
+// 16-byte loads, several in flight per lane. Launched as programmatic dependents
+// (src/device/kernels/pdl.rs), they fetch their first weights while the kernel before them
+// finishes, then wait for it before reading its outputs.
 #include "common.cuh"
 
 constexpr int GEMV_WARPS = 4;
-constexpr int GEMV_UNROLL = 4;
+constexpr int GEMV_UNROLL = 6;
 
 __device__ __forceinline__ void widen8(uint4 v, const __half*, float* f) {
     const __half2* h = reinterpret_cast<const __half2*>(&v);
@@ -44,7 +46,20 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// The rows' inputs into shared memory, added to res_in and RMS-normalized where asked.
+// Chunks of 8 inputs per thread the vector prologue keeps in flight (K up to 8 * 128 * 4 = 4096
+// in one round trip to L2: the prologue is latency-bound, one dependent load per loop step made
+// it half of a small projection's time).
+constexpr int GEMV_PU = 4;
+
+// Stores 8 values of T (16 bytes).
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const T* v) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+}
+
+// The rows' inputs into shared memory, added to res_in and RMS-normalized where asked: 16-byte
+// loads with GEMV_PU of them in flight per thread when every pointer is 16-byte aligned, else
+// one value at a time.
 template <typename T, int R>
 __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a,
                                               const T* __restrict__ res_in,
@@ -52,20 +67,60 @@ __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a
                                               T* __restrict__ s_out, int rows, int K) {
     __shared__ float part[R][GEMV_WARPS];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int nt = blockDim.x, K8 = K / 8;
+    const bool vec = ((uintptr_t)a | (uintptr_t)res_in | (uintptr_t)norm_w | (uintptr_t)s_out) % 16 == 0;
     float ss[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
         ss[r] = 0.f;
         if (r >= rows) continue;
-        for (int k = tid; k < K; k += blockDim.x) {
-            float v = to_f(a[(size_t)r * K + k]);
-            if (res_in != nullptr) {
-                const T s = from_f<T>(v + to_f(res_in[(size_t)r * K + k]));
-                if (s_out != nullptr && blockIdx.x == 0) s_out[(size_t)r * K + k] = s;
-                v = to_f(s);
+        if (vec) {
+            for (int c0 = tid; c0 < K8; c0 += nt * GEMV_PU) {
+                uint4 va[GEMV_PU], vr[GEMV_PU];
+#pragma unroll
+                for (int u = 0; u < GEMV_PU; u++) {
+                    const int c = c0 + u * nt;
+                    if (c < K8) {
+                        va[u] = __ldg(reinterpret_cast<const uint4*>(a + (size_t)r * K) + c);
+                        if (res_in != nullptr)
+                            vr[u] = __ldg(reinterpret_cast<const uint4*>(res_in + (size_t)r * K) + c);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < GEMV_PU; u++) {
+                    const int c = c0 + u * nt;
+                    if (c >= K8) break;
+                    float f[8];
+                    widen8(va[u], a, f);
+                    if (res_in != nullptr) {
+                        float g[8];
+                        widen8(vr[u], a, g);
+                        T s8[8];
+#pragma unroll
+                        for (int i = 0; i < 8; i++) {
+                            s8[i] = from_f<T>(f[i] + g[i]);
+                            f[i] = to_f(s8[i]);
+                        }
+                        if (s_out != nullptr && blockIdx.x == 0) store8(s_out + (size_t)r * K + c * 8, s8);
+                    }
+                    float4* x4 = reinterpret_cast<float4*>(xs + r * K + c * 8);
+                    x4[0] = make_float4(f[0], f[1], f[2], f[3]);
+                    x4[1] = make_float4(f[4], f[5], f[6], f[7]);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) ss[r] += f[i] * f[i];
+                }
             }
-            xs[r * K + k] = v;
-            ss[r] += v * v;
+        } else {
+            for (int k = tid; k < K; k += nt) {
+                float v = to_f(a[(size_t)r * K + k]);
+                if (res_in != nullptr) {
+                    const T s = from_f<T>(v + to_f(res_in[(size_t)r * K + k]));
+                    if (s_out != nullptr && blockIdx.x == 0) s_out[(size_t)r * K + k] = s;
+                    v = to_f(s);
+                }
+                xs[r * K + k] = v;
+                ss[r] += v * v;
+            }
         }
     }
     if (norm_w == nullptr) {
@@ -85,40 +140,76 @@ __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; w++) t += part[r][w];
         const float scale = rsqrtf(t / K + eps);
-        for (int k = tid; k < K; k += blockDim.x) {
-            xs[r * K + k] = to_f(from_f<T>(scale * xs[r * K + k] * to_f(norm_w[k])));
+        if (vec) {
+            for (int c0 = tid; c0 < K8; c0 += nt * GEMV_PU) {
+                uint4 vw[GEMV_PU];
+#pragma unroll
+                for (int u = 0; u < GEMV_PU; u++) {
+                    const int c = c0 + u * nt;
+                    if (c < K8) vw[u] = __ldg(reinterpret_cast<const uint4*>(norm_w) + c);
+                }
+#pragma unroll
+                for (int u = 0; u < GEMV_PU; u++) {
+                    const int c = c0 + u * nt;
+                    if (c >= K8) break;
+                    float wf[8];
+                    widen8(vw[u], a, wf);
+                    float* x = xs + r * K + c * 8;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) x[i] = to_f(from_f<T>(scale * x[i] * wf[i]));
+                }
+            }
+        } else {
+            for (int k = tid; k < K; k += nt) {
+                xs[r * K + k] = to_f(from_f<T>(scale * xs[r * K + k] * to_f(norm_w[k])));
+            }
         }
     }
     __syncthreads();
 }
 
-// Both weight rows o0 and o1 times every staged input row; sums in every lane of the warp.
-template <typename T, int R>
-__device__ __forceinline__ void dot_pair(const float* xs, const T* __restrict__ w, int o0, int o1,
-                                         int rows, int K, float* acc0, float* acc1) {
-    const int lane = threadIdx.x % 32;
+// The first GEMV_UNROLL chunks per lane of weight rows o0 and o1 (the whole row when
+// K <= 8 * 32 * GEMV_UNROLL): fetched before pdl_wait, since weights never change.
+template <typename T>
+struct WeightBatch {
+    uint4 v0[GEMV_UNROLL], v1[GEMV_UNROLL];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_batch(const T* __restrict__ w, int o0, int o1, int K, int c0,
+                                           WeightBatch<T>& wb) {
     const int K8 = K / 8;
     const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)o0 * K);
     const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)o1 * K);
 #pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; u++) {
+        const int c = c0 + 32 * u;
+        if (c < K8) {
+            wb.v0[u] = __ldg(w0 + c);
+            wb.v1[u] = __ldg(w1 + c);
+        }
+    }
+}
+
+// Both weight rows o0 and o1 times every staged input row, the first batch already in wb;
+// sums in every lane of the warp.
+template <typename T, int R>
+__device__ __forceinline__ void dot_pair(const float* xs, const T* __restrict__ w, int o0, int o1,
+                                         int rows, int K, WeightBatch<T>& wb, float* acc0,
+                                         float* acc1) {
+    const int lane = threadIdx.x % 32;
+    const int K8 = K / 8;
+#pragma unroll
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = 0.f;
     for (int c0 = lane; c0 < K8; c0 += 32 * GEMV_UNROLL) {
-        uint4 v0[GEMV_UNROLL], v1[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            const int c = c0 + 32 * u;
-            if (c < K8) {
-                v0[u] = __ldg(w0 + c);
-                v1[u] = __ldg(w1 + c);
-            }
-        }
+        if (c0 != lane) load_batch<T>(w, o0, o1, K, c0, wb);
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) {
             const int c = c0 + 32 * u;
             if (c >= K8) break;
             float f0[8], f1[8];
-            widen8(v0[u], w, f0);
-            widen8(v1[u], w, f1);
+            widen8(wb.v0[u], w, f0);
+            widen8(wb.v1[u], w, f1);
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (r >= rows) break;
@@ -147,23 +238,28 @@ __device__ __forceinline__ void gemv(const T* __restrict__ a, const T* __restric
                                      const T* __restrict__ res, void* __restrict__ y, int rows,
                                      int K, int N, int mode, int gelu) {
     extern __shared__ float xs[];
-    gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
+    pdl_trigger();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int unit = blockIdx.x * GEMV_WARPS + warp;
     // Two weight rows per warp: a gate row and its up row, or two neighbouring outputs.
     const int outs = mode == 2 ? N / 2 : N;
-    int o0, o1;
+    int o0 = -1, o1 = -1;
     if (mode == 2) {
-        if (unit >= outs) return;
-        o0 = unit;
-        o1 = unit + outs;
-    } else {
+        if (unit < outs) {
+            o0 = unit;
+            o1 = unit + outs;
+        }
+    } else if (2 * unit < N) {
         o0 = 2 * unit;
-        if (o0 >= N) return;
         o1 = o0 + 1 < N ? o0 + 1 : o0;
     }
+    WeightBatch<T> wb;
+    if (o0 >= 0) load_batch<T>(w, o0, o1, K, lane, wb);
+    pdl_wait();
+    gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
+    if (o0 < 0) return;
     float acc0[R], acc1[R];
-    dot_pair<T, R>(xs, w, o0, o1, rows, K, acc0, acc1);
+    dot_pair<T, R>(xs, w, o0, o1, rows, K, wb, acc0, acc1);
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (r >= rows) break;
@@ -215,15 +311,20 @@ __device__ __forceinline__ void gemv_rope(const T* __restrict__ a, const T* __re
                                           T* __restrict__ k_out, T* __restrict__ v_out, int rows,
                                           int K, int heads, int kv_heads, int d) {
     extern __shared__ float xs[];
-    gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
+    pdl_trigger();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int unit = blockIdx.x * GEMV_WARPS + warp;
     const int half = d / 2;
     const int h = unit / half, i = unit % half;
-    if (h >= heads + 2 * kv_heads) return;
+    const bool active = h < heads + 2 * kv_heads;
     const int o0 = h * d + i, o1 = o0 + half;
+    WeightBatch<T> wb;
+    if (active) load_batch<T>(w, o0, o1, K, lane, wb);
+    pdl_wait();
+    gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
+    if (!active) return;
     float acc0[R], acc1[R];
-    dot_pair<T, R>(xs, w, o0, o1, rows, K, acc0, acc1);
+    dot_pair<T, R>(xs, w, o0, o1, rows, K, wb, acc0, acc1);
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (r >= rows) break;

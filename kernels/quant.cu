@@ -180,6 +180,7 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
     extern "C" __global__ void quantize_rot_rows_##INAME##_##TNAME##_b##B##_d##D(                   \
         const IT* xk, const IT* xv, uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb,         \
         uint64_t nchunks, int group, const uint32_t* rows, uint64_t cpr, const float* signs) {     \
+        pdl_start();                                                                                \
         if (blockIdx.y == 0)                                                                        \
             quantize_rot_impl<IT, T, B, D>(xk, kc, ks, kb, nchunks, group, rows, cpr, signs);       \
         else                                                                                        \

@@ -8,6 +8,7 @@
 // block reduces (value, index) pairs.
 #include <stdint.h>
 #include <math.h>
+#include "common.cuh"
 
 #define ARGMAX_THREADS 1024
 #define NONE 0xffffffffu
@@ -37,6 +38,7 @@ extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, int voca
     __shared__ float sv[ARGMAX_THREADS / 32];
     __shared__ uint32_t si[ARGMAX_THREADS / 32];
     __shared__ int snan;
+    pdl_start();
     const float* r = x + (size_t)blockIdx.x * vocab;
     if (threadIdx.x == 0) snan = 0;
     __syncthreads();

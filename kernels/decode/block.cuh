@@ -36,18 +36,27 @@ __device__ __forceinline__ void block_scores(
 #pragma unroll
     for (int j = 0; j < MAXG; j++) s[j] = 0.f;
     if (B == 0) {
+        // KU chunks of 8 values in flight per round trip (more costs registers: 4 blocks per SM).
+        constexpr int KU = 2;
         const T* row = kd + slot * kvh * D + (size_t)kh * D;
-        for (int c = 0; c < D; c += 8) {
-            float v[8];
-            load8(row + c, v);
+        for (int c0 = 0; c0 < D; c0 += 8 * KU) {
+            float v[KU][8];
 #pragma unroll
-            for (int j = 0; j < MAXG; j++) {
-                if (j < gn) {
-                    // q is the same for every thread: broadcast 16-byte loads.
-                    const float4* qj = reinterpret_cast<const float4*>(q_s + j * D + c);
-                    const float4 a = qj[0], e = qj[1];
-                    s[j] += a.x * v[0] + a.y * v[1] + a.z * v[2] + a.w * v[3] +
-                            e.x * v[4] + e.y * v[5] + e.z * v[6] + e.w * v[7];
+            for (int u = 0; u < KU; u++)
+                if (c0 + 8 * u < D) load8(row + c0 + 8 * u, v[u]);
+#pragma unroll
+            for (int u = 0; u < KU; u++) {
+                const int c = c0 + 8 * u;
+                if (c >= D) break;
+#pragma unroll
+                for (int j = 0; j < MAXG; j++) {
+                    if (j < gn) {
+                        // q is the same for every thread: broadcast 16-byte loads.
+                        const float4* qj = reinterpret_cast<const float4*>(q_s + j * D + c);
+                        const float4 a = qj[0], e = qj[1];
+                        s[j] += a.x * v[u][0] + a.y * v[u][1] + a.z * v[u][2] + a.w * v[u][3] +
+                                e.x * v[u][4] + e.y * v[u][5] + e.z * v[u][6] + e.w * v[u][7];
+                    }
                 }
             }
         }
@@ -142,20 +151,33 @@ __device__ __forceinline__ void block_values(
             for (int k = 0; k < 8; k++) acc[j][k] *= a;
         }
     }
-    for (int t = rg; t < n; t += nrg) {
-        const size_t slot = (size_t)slot_s[t];
-        if (B == 0) {
-            float v[8];
-            load8(vd + slot * kvh * D + (size_t)kh * D + c8 * 8, v);
+    if constexpr (B == 0) {
+        // VU rows in flight per round trip.
+        constexpr int VU = 2;
+        for (int t0 = rg; t0 < n; t0 += VU * nrg) {
+            float v[VU][8];
 #pragma unroll
-            for (int j = 0; j < MAXG; j++) {
-                if (j < gn) {
-                    const float pj = p_s[j * TILE + t];
+            for (int u = 0; u < VU; u++) {
+                const int t = t0 + u * nrg;
+                if (t < n) load8(vd + (size_t)slot_s[t] * kvh * D + (size_t)kh * D + c8 * 8, v[u]);
+            }
 #pragma unroll
-                    for (int k = 0; k < 8; k++) acc[j][k] += pj * v[k];
+            for (int u = 0; u < VU; u++) {
+                const int t = t0 + u * nrg;
+                if (t >= n) break;
+#pragma unroll
+                for (int j = 0; j < MAXG; j++) {
+                    if (j < gn) {
+                        const float pj = p_s[j * TILE + t];
+#pragma unroll
+                        for (int k = 0; k < 8; k++) acc[j][k] += pj * v[u][k];
+                    }
                 }
             }
-        } else {
+        }
+    } else {
+        for (int t = rg; t < n; t += nrg) {
+            const size_t slot = (size_t)slot_s[t];
             const unsigned char* row = reinterpret_cast<const unsigned char*>(
                 vc + slot * row_words + kh * head_words);
             const uint64_t win = load_codes8<B>(row + c8 * B);

@@ -50,6 +50,15 @@ impl Kernel {
     pub(crate) fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
     }
+
+    /// A launch that may begin while the kernel before it in the stream still runs
+    /// (programmatic dependent launch, [`pdl`]): only for kernels that call `pdl_wait()`
+    /// (kernels/common.cuh) before they read anything an earlier kernel wrote or write anything.
+    /// `projection`: one of the fused projections (model::gemv), which fetch their weights
+    /// before they wait.
+    pub(crate) fn pdl_builder(&self, projection: bool) -> pdl::Args<'_> {
+        pdl::Args::new(&self.func, &self.stream, projection)
+    }
 }
 
 impl std::ops::Deref for Kernel {
@@ -58,6 +67,8 @@ impl std::ops::Deref for Kernel {
         &self.func
     }
 }
+
+pub(crate) mod pdl;
 
 type Modules = HashMap<(DeviceId, Module), Arc<CudaModule>>;
 type Kernels = HashMap<(DeviceId, Module, String), Kernel>;

@@ -68,8 +68,7 @@ pub fn nan_error() -> anyhow::Error {
 #[cfg(feature = "cuda")]
 pub fn argmax_into(logits: &Tensor, out: &Tensor) -> candle_core::Result<()> {
     use crate::device::kernels::{kernel, Module};
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::Storage;
 
     let msg = |m: &str| candle_core::Error::Msg(format!("argmax_into: {m}"));
@@ -101,9 +100,9 @@ pub fn argmax_into(logits: &Tensor, out: &Tensor) -> candle_core::Result<()> {
         block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = f.builder();
+    let mut b = f.pdl_builder(false);
     b.arg(&x).arg(&vocab).arg(&ids).arg(&flags);
-    unsafe { b.launch(cfg) }.w()?;
+    unsafe { b.launch(cfg) }?;
     Ok(())
 }
 

@@ -302,7 +302,7 @@ pub(super) fn quantize_rot_into_rows(
         );
         let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);
-        let mut b = f.builder();
+        let mut b = f.pdl_builder(false);
         b.arg(&xk)
             .arg(&xv)
             .arg(kc)
@@ -318,7 +318,7 @@ pub(super) fn quantize_rot_into_rows(
             .arg(&signs_dev);
         let mut cfg = launch_cfg(n / 8, 1);
         cfg.grid_dim.1 = 2;
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
     let sizes = (hd, d, n);

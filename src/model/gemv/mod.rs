@@ -164,7 +164,7 @@ mod cuda {
     use super::{Epilogue, RopeOut, MAX_ROWS, SHARED_BYTES};
     use crate::device::kernels::{cuda_device, kernel, view, wrap, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
     use candle_core::{DType, Result, Tensor};
     use half::{bf16, f16};
@@ -317,7 +317,7 @@ mod cuda {
                 Some(_) => Some(unsafe { inp.dev.alloc::<$t>(inp.rows * inp.k)? }),
                 None => None,
             };
-            let mut $b = $f.builder();
+            let mut $b = $f.pdl_builder(true);
             $b.arg(&xv);
             opt_arg!($b, ri_v, $null);
             opt_arg!($b, nw_v, $null);
@@ -367,14 +367,14 @@ mod cuda {
                         let y = unsafe { dev.alloc::<f32>(rows * outs)? };
                         b.arg(&y).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]);
                         b.arg(&mode).arg(&gelu_i);
-                        unsafe { b.launch(cfg) }.w()?;
+                        unsafe { b.launch(cfg) }?;
                         wrap(y, &dev, (rows, outs))
                     }
                     _ => {
                         let y = unsafe { dev.alloc::<$t>(rows * outs)? };
                         b.arg(&y).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]);
                         b.arg(&mode).arg(&gelu_i);
-                        unsafe { b.launch(cfg) }.w()?;
+                        unsafe { b.launch(cfg) }?;
                         wrap(y, &dev, (rows, outs))
                     }
                 };
@@ -465,7 +465,7 @@ mod cuda {
                 for i in &ints {
                     b.arg(i);
                 }
-                unsafe { b.launch(cfg) }.w()?;
+                unsafe { b.launch(cfg) }?;
                 let kv = fresh.map(|(k, v)| {
                     (
                         wrap(k, &dev, (rows, kv_heads * d)),

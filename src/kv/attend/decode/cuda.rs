@@ -8,9 +8,7 @@ use crate::device::kernels::{
 use crate::kv::format::rotation::Rotation;
 use crate::kv::format::{LayerKv, QuantFormat, Quantized};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
@@ -222,7 +220,7 @@ fn launch_dense(
         ($t:ty, $qt:ty) => {{
             let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
             let qv = view::<$qt>(qs, ql)?;
-            let mut b = a.f.builder();
+            let mut b = a.f.pdl_builder(false);
             b.arg(&qv)
                 .arg(&a.scale)
                 .arg(&kv_)
@@ -234,7 +232,7 @@ fn launch_dense(
                 b.arg(i);
             }
             b.arg(&a.split_len).arg(a.part_acc).arg(a.part_ml);
-            unsafe { b.launch(a.cfg) }.w()?;
+            unsafe { b.launch(a.cfg) }?;
         }};
     }
     macro_rules! by_query {
@@ -324,7 +322,7 @@ fn launch_affine(
                 Some(w) => Some(counters(dev, w.counters)?),
                 None => None,
             };
-            let mut b = a.f.builder();
+            let mut b = a.f.pdl_builder(false);
             // Alive until the launch: the q view in the kernel's type.
             let (qv32, qvt);
             if warp.is_some() {
@@ -358,10 +356,10 @@ fn launch_affine(
                     .get(&dev.id())
                     .ok_or_else(|| err("no merge counters for the device"))?;
                 b.arg(&sgv).arg(&rotated).arg(&out).arg(c).arg(&ns);
-                unsafe { b.launch(a.cfg) }.w()?;
+                unsafe { b.launch(a.cfg) }?;
                 fused = Some(CudaStorage::wrap_cuda_slice(out, dev.clone()));
             } else {
-                unsafe { b.launch(a.cfg) }.w()?;
+                unsafe { b.launch(a.cfg) }?;
             }
         }};
     }
@@ -549,14 +547,14 @@ fn merge(
     macro_rules! merge {
         ($t:ty) => {{
             let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(bh * d)? };
-            let mut b = merge.builder();
+            let mut b = merge.pdl_builder(false);
             b.arg(part_acc)
                 .arg(part_ml)
                 .arg(&out)
                 .arg(&ns)
                 .arg(&bh_i)
                 .arg(&d_i);
-            unsafe { b.launch(mcfg) }.w()?;
+            unsafe { b.launch(mcfg) }?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};
     }

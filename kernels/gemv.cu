@@ -46,9 +46,9 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Chunks of 8 inputs per thread the vector prologue keeps in flight (K up to 8 * 128 * 4 = 4096
-// in one round trip to L2: the prologue is latency-bound, one dependent load per loop step made
-// it half of a small projection's time).
+// Chunks of 8 inputs per thread the prologue keeps in flight (K up to 8 * 128 * 4 = 4096 in one
+// round trip to L2: the prologue is latency-bound, one dependent load per loop step made it half
+// of a small projection's time).
 constexpr int GEMV_PU = 4;
 
 // Stores 8 values of T (16 bytes).
@@ -57,9 +57,19 @@ __device__ __forceinline__ void store8(T* p, const T* v) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
 }
 
-// The rows' inputs into shared memory, added to res_in and RMS-normalized where asked: 16-byte
-// loads with GEMV_PU of them in flight per thread when every pointer is 16-byte aligned, else
-// one value at a time.
+// The 16-byte chunks c0 + u * nt (u < GEMV_PU, those below K8) of p, all loads issued at once.
+template <typename T>
+__device__ __forceinline__ void load_chunks(const T* __restrict__ p, int c0, int nt, int K8,
+                                            uint4 (&v)[GEMV_PU]) {
+#pragma unroll
+    for (int u = 0; u < GEMV_PU; u++) {
+        const int c = c0 + u * nt;
+        if (c < K8) v[u] = __ldg(reinterpret_cast<const uint4*>(p) + c);
+    }
+}
+
+// The rows' inputs into shared memory, added to res_in and RMS-normalized where asked, read in
+// 16-byte chunks, GEMV_PU in flight per thread (the host passes 16-byte aligned rows).
 template <typename T, int R>
 __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a,
                                               const T* __restrict__ res_in,
@@ -68,58 +78,37 @@ __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a
     __shared__ float part[R][GEMV_WARPS];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int nt = blockDim.x, K8 = K / 8;
-    const bool vec = ((uintptr_t)a | (uintptr_t)res_in | (uintptr_t)norm_w | (uintptr_t)s_out) % 16 == 0;
     float ss[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
         ss[r] = 0.f;
         if (r >= rows) continue;
-        if (vec) {
-            for (int c0 = tid; c0 < K8; c0 += nt * GEMV_PU) {
-                uint4 va[GEMV_PU], vr[GEMV_PU];
+        for (int c0 = tid; c0 < K8; c0 += nt * GEMV_PU) {
+            uint4 va[GEMV_PU], vr[GEMV_PU];
+            load_chunks(a + (size_t)r * K, c0, nt, K8, va);
+            if (res_in != nullptr) load_chunks(res_in + (size_t)r * K, c0, nt, K8, vr);
 #pragma unroll
-                for (int u = 0; u < GEMV_PU; u++) {
-                    const int c = c0 + u * nt;
-                    if (c < K8) {
-                        va[u] = __ldg(reinterpret_cast<const uint4*>(a + (size_t)r * K) + c);
-                        if (res_in != nullptr)
-                            vr[u] = __ldg(reinterpret_cast<const uint4*>(res_in + (size_t)r * K) + c);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < GEMV_PU; u++) {
-                    const int c = c0 + u * nt;
-                    if (c >= K8) break;
-                    float f[8];
-                    widen8(va[u], a, f);
-                    if (res_in != nullptr) {
-                        float g[8];
-                        widen8(vr[u], a, g);
-                        T s8[8];
-#pragma unroll
-                        for (int i = 0; i < 8; i++) {
-                            s8[i] = from_f<T>(f[i] + g[i]);
-                            f[i] = to_f(s8[i]);
-                        }
-                        if (s_out != nullptr && blockIdx.x == 0) store8(s_out + (size_t)r * K + c * 8, s8);
-                    }
-                    float4* x4 = reinterpret_cast<float4*>(xs + r * K + c * 8);
-                    x4[0] = make_float4(f[0], f[1], f[2], f[3]);
-                    x4[1] = make_float4(f[4], f[5], f[6], f[7]);
-#pragma unroll
-                    for (int i = 0; i < 8; i++) ss[r] += f[i] * f[i];
-                }
-            }
-        } else {
-            for (int k = tid; k < K; k += nt) {
-                float v = to_f(a[(size_t)r * K + k]);
+            for (int u = 0; u < GEMV_PU; u++) {
+                const int c = c0 + u * nt;
+                if (c >= K8) break;
+                float f[8];
+                widen8(va[u], a, f);
                 if (res_in != nullptr) {
-                    const T s = from_f<T>(v + to_f(res_in[(size_t)r * K + k]));
-                    if (s_out != nullptr && blockIdx.x == 0) s_out[(size_t)r * K + k] = s;
-                    v = to_f(s);
+                    float g[8];
+                    widen8(vr[u], a, g);
+                    T s8[8];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        s8[i] = from_f<T>(f[i] + g[i]);
+                        f[i] = to_f(s8[i]);
+                    }
+                    if (s_out != nullptr && blockIdx.x == 0) store8(s_out + (size_t)r * K + c * 8, s8);
                 }
-                xs[r * K + k] = v;
-                ss[r] += v * v;
+                float4* x4 = reinterpret_cast<float4*>(xs + r * K + c * 8);
+                x4[0] = make_float4(f[0], f[1], f[2], f[3]);
+                x4[1] = make_float4(f[4], f[5], f[6], f[7]);
+#pragma unroll
+                for (int i = 0; i < 8; i++) ss[r] += f[i] * f[i];
             }
         }
     }
@@ -140,28 +129,18 @@ __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; w++) t += part[r][w];
         const float scale = rsqrtf(t / K + eps);
-        if (vec) {
-            for (int c0 = tid; c0 < K8; c0 += nt * GEMV_PU) {
-                uint4 vw[GEMV_PU];
+        for (int c0 = tid; c0 < K8; c0 += nt * GEMV_PU) {
+            uint4 vw[GEMV_PU];
+            load_chunks(norm_w, c0, nt, K8, vw);
 #pragma unroll
-                for (int u = 0; u < GEMV_PU; u++) {
-                    const int c = c0 + u * nt;
-                    if (c < K8) vw[u] = __ldg(reinterpret_cast<const uint4*>(norm_w) + c);
-                }
+            for (int u = 0; u < GEMV_PU; u++) {
+                const int c = c0 + u * nt;
+                if (c >= K8) break;
+                float wf[8];
+                widen8(vw[u], a, wf);
+                float* x = xs + r * K + c * 8;
 #pragma unroll
-                for (int u = 0; u < GEMV_PU; u++) {
-                    const int c = c0 + u * nt;
-                    if (c >= K8) break;
-                    float wf[8];
-                    widen8(vw[u], a, wf);
-                    float* x = xs + r * K + c * 8;
-#pragma unroll
-                    for (int i = 0; i < 8; i++) x[i] = to_f(from_f<T>(scale * x[i] * wf[i]));
-                }
-            }
-        } else {
-            for (int k = tid; k < K; k += nt) {
-                xs[r * K + k] = to_f(from_f<T>(scale * xs[r * K + k] * to_f(norm_w[k])));
+                for (int i = 0; i < 8; i++) x[i] = to_f(from_f<T>(scale * x[i] * wf[i]));
             }
         }
     }
@@ -170,14 +149,13 @@ __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a
 
 // The first GEMV_UNROLL chunks per lane of weight rows o0 and o1 (the whole row when
 // K <= 8 * 32 * GEMV_UNROLL): fetched before pdl_wait, since weights never change.
-template <typename T>
 struct WeightBatch {
     uint4 v0[GEMV_UNROLL], v1[GEMV_UNROLL];
 };
 
 template <typename T>
 __device__ __forceinline__ void load_batch(const T* __restrict__ w, int o0, int o1, int K, int c0,
-                                           WeightBatch<T>& wb) {
+                                           WeightBatch& wb) {
     const int K8 = K / 8;
     const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)o0 * K);
     const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)o1 * K);
@@ -195,7 +173,7 @@ __device__ __forceinline__ void load_batch(const T* __restrict__ w, int o0, int 
 // sums in every lane of the warp.
 template <typename T, int R>
 __device__ __forceinline__ void dot_pair(const float* xs, const T* __restrict__ w, int o0, int o1,
-                                         int rows, int K, WeightBatch<T>& wb, float* acc0,
+                                         int rows, int K, WeightBatch& wb, float* acc0,
                                          float* acc1) {
     const int lane = threadIdx.x % 32;
     const int K8 = K / 8;
@@ -253,7 +231,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ a, const T* __restric
         o0 = 2 * unit;
         o1 = o0 + 1 < N ? o0 + 1 : o0;
     }
-    WeightBatch<T> wb;
+    WeightBatch wb;
     if (o0 >= 0) load_batch<T>(w, o0, o1, K, lane, wb);
     pdl_wait();
     gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
@@ -318,7 +296,7 @@ __device__ __forceinline__ void gemv_rope(const T* __restrict__ a, const T* __re
     const int h = unit / half, i = unit % half;
     const bool active = h < heads + 2 * kv_heads;
     const int o0 = h * d + i, o1 = o0 + half;
-    WeightBatch<T> wb;
+    WeightBatch wb;
     if (active) load_batch<T>(w, o0, o1, K, lane, wb);
     pdl_wait();
     gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);

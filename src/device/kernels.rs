@@ -54,10 +54,8 @@ impl Kernel {
     /// A launch that may begin while the kernel before it in the stream still runs
     /// (programmatic dependent launch, [`pdl`]): only for kernels that call `pdl_wait()`
     /// (kernels/common.cuh) before they read anything an earlier kernel wrote or write anything.
-    /// `projection`: one of the fused projections (model::gemv), which fetch their weights
-    /// before they wait.
-    pub(crate) fn pdl_builder(&self, projection: bool) -> pdl::Args<'_> {
-        pdl::Args::new(&self.func, &self.stream, projection)
+    pub(crate) fn pdl_builder(&self) -> pdl::Args<'_> {
+        pdl::Args::new(&self.func, &self.stream)
     }
 }
 

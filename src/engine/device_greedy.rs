@@ -100,7 +100,7 @@ pub fn argmax_into(logits: &Tensor, out: &Tensor) -> candle_core::Result<()> {
         block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = f.pdl_builder(false);
+    let mut b = f.pdl_builder();
     b.arg(&x).arg(&vocab).arg(&ids).arg(&flags);
     unsafe { b.launch(cfg) }?;
     Ok(())

@@ -14,9 +14,8 @@
 //! cudarc's launch builder has no launch attributes, hence this small one: arguments are kept
 //! as 8-byte words (a device pointer or a scalar in the low bytes) and passed to
 //! `cuLaunchKernelEx`. Device pointers are taken without cudarc's event records, which kvq
-//! turns off ([`crate::device::open_cuda`]). `KVQ_GPU_PDL=off` launches plainly and `=gemv`
-//! gives the attribute to the fused projections only (A/B runs); a driver that refuses the
-//! attribute turns it off for the process.
+//! turns off ([`crate::device::open_cuda`]). `KVQ_GPU_PDL=off` launches plainly (A/B runs); a driver
+//! that refuses the attribute turns it off for the process.
 
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -25,35 +24,17 @@ use candle_core::cuda_backend::cudarc::driver::{
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Which launches carry the attribute (`KVQ_GPU_PDL`, read once): every kernel that waits
-/// (`on`, the default), only the fused projections (`gemv`), or none (`off`).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Setting {
-    On,
-    Projections,
-    Off,
-}
-
-fn setting() -> Setting {
-    static S: std::sync::OnceLock<Setting> = std::sync::OnceLock::new();
-    *S.get_or_init(
-        || match std::env::var("KVQ_GPU_PDL").ok().as_deref().map(str::trim) {
-            Some("off" | "0") => Setting::Off,
-            Some("gemv") => Setting::Projections,
-            _ => Setting::On,
-        },
-    )
-}
-
-/// Whether a launch of this kind carries the attribute ([`setting`]; off for the process once
-/// a launch with it failed).
-fn enabled(projection: bool) -> bool {
-    let on = match setting() {
-        Setting::On => true,
-        Setting::Projections => projection,
-        Setting::Off => false,
-    };
-    on && !REFUSED.load(Ordering::Relaxed)
+/// Whether launches carry the attribute: unless `KVQ_GPU_PDL=off` (read once) or a launch with
+/// it failed.
+fn enabled() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| {
+        matches!(
+            std::env::var("KVQ_GPU_PDL").ok().as_deref().map(str::trim),
+            Some("off" | "0")
+        )
+    });
+    !off && !REFUSED.load(Ordering::Relaxed)
 }
 
 static REFUSED: AtomicBool = AtomicBool::new(false);
@@ -105,16 +86,14 @@ pub(crate) struct Args<'a> {
     func: &'a CudaFunction,
     stream: &'a CudaStream,
     words: Vec<u64>,
-    projection: bool,
 }
 
 impl<'a> Args<'a> {
-    pub(super) fn new(func: &'a CudaFunction, stream: &'a CudaStream, projection: bool) -> Self {
+    pub(super) fn new(func: &'a CudaFunction, stream: &'a CudaStream) -> Self {
         Args {
             func,
             stream,
             words: Vec::with_capacity(32),
-            projection,
         }
     }
 
@@ -137,7 +116,7 @@ impl<'a> Args<'a> {
             .iter_mut()
             .map(|w| (w as *mut u64).cast::<c_void>())
             .collect();
-        if enabled(self.projection) {
+        if enabled() {
             // SAFETY: zero is a valid value of this plain C struct/union.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attr.id =

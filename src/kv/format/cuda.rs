@@ -302,7 +302,7 @@ pub(super) fn quantize_rot_into_rows(
         );
         let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);
-        let mut b = f.pdl_builder(false);
+        let mut b = f.pdl_builder();
         b.arg(&xk)
             .arg(&xv)
             .arg(kc)

@@ -162,7 +162,7 @@ pub fn project_rope(
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Epilogue, RopeOut, MAX_ROWS, SHARED_BYTES};
-    use crate::device::kernels::{cuda_device, kernel, view, wrap, Kernel, Module};
+    use crate::device::kernels::{aligned, cuda_device, kernel, view, wrap, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -186,6 +186,8 @@ mod cuda {
     /// Warps per block (kernels/gemv.cu's GEMV_WARPS); each computes two weight rows.
     const WARPS: usize = 4;
 
+    /// `t`, checked to be `dims` of `dtype`, contiguous and 16-byte aligned (the prologue reads
+    /// 16-byte chunks).
     fn same(t: &Tensor, dims: &[usize], dtype: DType, what: &str) -> Result<Tensor> {
         if t.dims() != dims || t.dtype() != dtype {
             return Err(err(format!(
@@ -194,7 +196,7 @@ mod cuda {
                 t.dtype()
             )));
         }
-        t.contiguous()
+        aligned(t)
     }
 
     fn int(v: usize, what: &str) -> Result<i32> {
@@ -225,7 +227,7 @@ mod cuda {
             bias: Option<&Tensor>,
         ) -> Result<Self> {
             let dtype = x.dtype();
-            let x = x.contiguous()?;
+            let x = aligned(x)?;
             let (rows, k) = x.dims2()?;
             let n = w.dim(0)?;
             Ok(Inputs {
@@ -317,7 +319,7 @@ mod cuda {
                 Some(_) => Some(unsafe { inp.dev.alloc::<$t>(inp.rows * inp.k)? }),
                 None => None,
             };
-            let mut $b = $f.pdl_builder(true);
+            let mut $b = $f.pdl_builder();
             $b.arg(&xv);
             opt_arg!($b, ri_v, $null);
             opt_arg!($b, nw_v, $null);

@@ -220,7 +220,7 @@ fn launch_dense(
         ($t:ty, $qt:ty) => {{
             let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
             let qv = view::<$qt>(qs, ql)?;
-            let mut b = a.f.pdl_builder(false);
+            let mut b = a.f.pdl_builder();
             b.arg(&qv)
                 .arg(&a.scale)
                 .arg(&kv_)
@@ -322,7 +322,7 @@ fn launch_affine(
                 Some(w) => Some(counters(dev, w.counters)?),
                 None => None,
             };
-            let mut b = a.f.pdl_builder(false);
+            let mut b = a.f.pdl_builder();
             // Alive until the launch: the q view in the kernel's type.
             let (qv32, qvt);
             if warp.is_some() {
@@ -547,7 +547,7 @@ fn merge(
     macro_rules! merge {
         ($t:ty) => {{
             let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(bh * d)? };
-            let mut b = merge.pdl_builder(false);
+            let mut b = merge.pdl_builder();
             b.arg(part_acc)
                 .arg(part_ml)
                 .arg(&out)

@@ -208,9 +208,14 @@ fn affine(bits: u32, g: usize, scale_dtype: DType) -> KvFormat {
     KvFormat::affine(QuantFormat::new(bits, g).unwrap(), scale_dtype, false)
 }
 
-/// Every (head_dim, group, GQA) of `shapes` × every bit width × the ragged layouts, in f32,
-/// with a label; seeds count up from `seed`.
-fn affine_cases(shapes: &[(usize, &[usize], &[usize])], mut seed: u64) -> Vec<(String, Case)> {
+/// Every (head_dim, group, GQA) of `shapes` × every bit width × the ragged layouts, f32 queries
+/// and scales of `sdt` (f16: what a cache computing in f32 stores), with a label; seeds count up
+/// from `seed`.
+fn affine_cases(
+    shapes: &[(usize, &[usize], &[usize])],
+    mut seed: u64,
+    sdt: DType,
+) -> Vec<(String, Case)> {
     let mut out = Vec::new();
     for &(d, groups, gqas) in shapes {
         for &g in groups {
@@ -218,17 +223,12 @@ fn affine_cases(shapes: &[(usize, &[usize], &[usize])], mut seed: u64) -> Vec<(S
                 for &gqa in gqas {
                     for (kvh, seqs) in layouts() {
                         seed += 1;
-                        let c = build_d(
-                            affine(bits, g, DType::F32),
-                            kvh,
-                            gqa,
-                            &seqs,
-                            DType::F32,
-                            seed,
-                            d,
-                        );
+                        let c = build_d(affine(bits, g, sdt), kvh, gqa, &seqs, DType::F32, seed, d);
                         out.push((
-                            format!("d {d} bits {bits} g {g} gqa {gqa} kvh {kvh} {seqs:?}"),
+                            format!(
+                                "d {d} bits {bits} g {g} {sdt:?} scales gqa {gqa} kvh {kvh} \
+                                 {seqs:?}"
+                            ),
                             c,
                         ));
                     }
@@ -241,9 +241,13 @@ fn affine_cases(shapes: &[(usize, &[usize], &[usize])], mut seed: u64) -> Vec<(S
 
 #[test]
 fn cpu_affine_matches_reference_all_formats() {
-    for (what, c) in affine_cases(&[(HEAD_DIM, &QuantFormat::GROUP_SIZES, &[1, 3, 8])], 0) {
-        let err = rel_err(&fused(&c), &reference(&c));
-        assert!(err < 1e-4, "{what}: rel err {err}");
+    let shapes: [(usize, &[usize], &[usize]); 1] =
+        [(HEAD_DIM, &QuantFormat::GROUP_SIZES, &[1, 3, 8])];
+    for sdt in [DType::F32, DType::F16] {
+        for (what, c) in affine_cases(&shapes, 0, sdt) {
+            let err = rel_err(&fused(&c), &reference(&c));
+            assert!(err < 1e-4, "{what}: rel err {err}");
+        }
     }
 }
 
@@ -270,12 +274,14 @@ fn cpu_dense_matches_reference() {
 
 #[test]
 fn cpu_half_queries_and_half_scales() {
-    // f16 scales: the reference rounds each dequantized value to f16 (MLX semantics), the fused
-    // kernel keeps the f32 product, so they differ by half-precision rounding only.
+    // Half scales with f32 queries: the reference dequantizes into f32 with the parameters
+    // widened, as the fused kernel computes, so they agree to f32 rounding. Half queries: the
+    // output is rounded to the query's dtype.
     for (fmt, qdt, tol) in [
-        (affine(4, 64, DType::F16), DType::F32, 2e-3),
-        (affine(8, 32, DType::BF16), DType::F32, 1e-2),
+        (affine(4, 64, DType::F16), DType::F32, 1e-4),
+        (affine(8, 32, DType::BF16), DType::F32, 1e-4),
         (affine(4, 64, DType::F32), DType::F16, 2e-3),
+        (affine(4, 64, DType::F16), DType::F16, 2e-3),
         (KvFormat::Dense(DType::F16), DType::BF16, 1e-2),
     ] {
         let (kvh, seqs) = layouts().remove(0);
@@ -390,8 +396,10 @@ mod cuda {
             (64, &[32, 64], &[1, 3]),
             (96, &[32], &[1, 3]),
         ];
-        for (what, c) in affine_cases(&shapes, 1000) {
-            check(&c, &dev, 1e-4, &what);
+        for sdt in [DType::F32, DType::F16] {
+            for (what, c) in affine_cases(&shapes, 1000, sdt) {
+                check(&c, &dev, 1e-4, &what);
+            }
         }
         for dt in [DType::F32, DType::F16, DType::BF16] {
             for gqa in [1, 3, 8, 16] {
@@ -442,18 +450,10 @@ mod cuda {
         use kvq::kv::format::rotation::{Rotation, DEFAULT_SEED};
         let dev = Device::new_cuda(0).expect("a CUDA device");
         for d in [64, 128] {
-            for bits in [4, 8] {
+            for (bits, sdt) in [(4, DType::F32), (8, DType::F32), (4, DType::F16)] {
                 for (kvh, seqs) in layouts() {
                     let seed = 500 + d as u64 + bits as u64 + kvh as u64;
-                    let c = build_d(
-                        affine(bits, 32, DType::F32),
-                        kvh,
-                        3,
-                        &seqs,
-                        DType::F32,
-                        seed,
-                        d,
-                    );
+                    let c = build_d(affine(bits, 32, sdt), kvh, 3, &seqs, DType::F32, seed, d);
                     let cpu_rot = Rotation::new(d, DEFAULT_SEED, &Device::Cpu).unwrap();
                     let want = cpu_rot
                         .unrotate(
@@ -487,7 +487,7 @@ mod cuda {
                     let err = rel_err(&got, &want);
                     assert!(
                         err < 1e-4,
-                        "rotated d {d} bits {bits} kvh {kvh}: rel err {err}"
+                        "rotated d {d} bits {bits} {sdt:?} scales kvh {kvh}: rel err {err}"
                     );
                 }
             }

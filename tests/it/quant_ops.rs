@@ -103,6 +103,98 @@ fn fused_equals_generic_on_random_data() {
 }
 
 #[test]
+fn f32_rows_with_half_scales_fused_equals_generic() {
+    for sdt in [DType::F16, DType::BF16] {
+        for b in QuantFormat::BITS {
+            for g in QuantFormat::GROUP_SIZES {
+                let fmt = QuantFormat::new(b, g).unwrap();
+                let x = sample(&[5, 3, 384], DType::F32, 3.0);
+                let f = format::quantize_as(&x, fmt, sdt).unwrap();
+                let r = format::generic::quantize_as(&x, fmt, sdt).unwrap();
+                let case = format!("f32 into {sdt:?} {fmt}");
+                assert!(same(&f.codes, &r.codes), "codes {case}");
+                assert!(same(&f.scales, &r.scales), "scales {case}");
+                assert!(same(&f.biases, &r.biases), "biases {case}");
+                for out in [DType::F32, sdt] {
+                    let fd = format::dequantize_as(&f, fmt, out).unwrap();
+                    let rd = format::generic::dequantize_as(&r, fmt, out).unwrap();
+                    assert!(same(&fd, &rd), "deq into {out:?} {case}");
+                }
+            }
+        }
+    }
+}
+
+/// f16 scales of f32 rows are the f32 parameters rounded, the codes are computed from the
+/// rounded parameters (so every value stays within half a step, the rounding of the bias is not
+/// a shift of the whole group), and dequantizing into f32 is `code·scale + bias` in f32 with the
+/// parameters widened: what the fused decode kernels compute, so a cache computing in f32 and its
+/// reference agree to f32 rounding.
+#[test]
+fn f16_scales_are_the_f32_parameters_rounded() {
+    let fmt = QuantFormat::new(4, 64).unwrap();
+    // Rows with large offsets: the case where a rounded bias would shift a whole group.
+    let x = (sample(&[6, 256], DType::F32, 2.0) + 40.0).unwrap();
+    let wide = format::quantize(&x, fmt).unwrap();
+    let half = format::quantize_as(&x, fmt, DType::F16).unwrap();
+    assert!(same(
+        &half.scales,
+        &wide.scales.to_dtype(DType::F16).unwrap()
+    ));
+    assert!(same(
+        &half.biases,
+        &wide.biases.to_dtype(DType::F16).unwrap()
+    ));
+    let widened = |q: &Quantized| Quantized {
+        codes: q.codes.clone(),
+        scales: q.scales.to_dtype(DType::F32).unwrap(),
+        biases: q.biases.to_dtype(DType::F32).unwrap(),
+    };
+    let got = format::dequantize_as(&half, fmt, DType::F32).unwrap();
+    assert!(same(
+        &got,
+        &format::dequantize(&widened(&half), fmt).unwrap()
+    ));
+    // Into the scales' own dtype it stays MLX's half-precision dequantize.
+    let mlx = format::dequantize_as(&half, fmt, DType::F16).unwrap();
+    assert!(same(&mlx, &format::dequantize(&half, fmt).unwrap()));
+    // Codes of the rounded parameters: within half a step (plus the far end's rounding).
+    // Codes of the f32 parameters with the rounded ones would carry each group's bias error.
+    let stale = Quantized {
+        codes: wide.codes.clone(),
+        ..widened(&half)
+    };
+    let max_err = |q: &Quantized| -> f32 {
+        (format::dequantize(q, fmt).unwrap() - &x)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    };
+    let step: f32 = wide
+        .scales
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    let amax: f32 = x.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+    let (fresh, old) = (max_err(&widened(&half)), max_err(&stale));
+    assert!(
+        fresh <= 0.5 * step + amax / 1024.0,
+        "{fresh} vs step {step}"
+    );
+    assert!(
+        fresh < old,
+        "codes of the rounded parameters {fresh}, of the f32 ones {old}"
+    );
+}
+
+#[test]
 fn constant_and_zero_rows_round_trip_exactly() {
     let fmt = QuantFormat::new(4, 32).unwrap();
     for v in [0f32, 3.25, -7.5] {
@@ -179,7 +271,7 @@ fn quantize_into_writes_only_the_named_slots() {
     let x = sample(&[3, d], DType::F32, 1.0);
     let ids = Tensor::new(&[7u32, 2, 5], &Device::Cpu).unwrap();
     format::quantize_into(&x, fmt, &pool, &ids).unwrap();
-    let want = format::quantize(&x.to_dtype(DType::F16).unwrap(), fmt).unwrap();
+    let want = format::quantize_as(&x, fmt, DType::F16).unwrap();
     for (i, slot) in [7usize, 2, 5].into_iter().enumerate() {
         assert!(same(
             &pool.codes.i(slot).unwrap(),
@@ -220,7 +312,7 @@ fn quantize_rows_into_writes_only_its_run() {
     };
     let x = sample(&[3, d], DType::F32, 1.0);
     format::quantize_rows_into(&x, fmt, &pool, 4).unwrap();
-    let want = format::quantize(&x.to_dtype(DType::BF16).unwrap(), fmt).unwrap();
+    let want = format::quantize_as(&x, fmt, DType::BF16).unwrap();
     for i in 0..3 {
         assert!(same(
             &pool.codes.i(4 + i).unwrap(),
@@ -248,7 +340,8 @@ fn quantize_rows_into_writes_only_its_run() {
 }
 
 /// `quantize_into_rows` on `dev`: rows scattered over a pool (a run of consecutive slots, a
-/// lone slot, a descending pair) equal `quantize` of the same rows on the CPU, bit for bit, and
+/// lone slot, a descending pair) equal `quantize_as` of the same f32 rows with the pool's scale
+/// dtype on the CPU, bit for bit, and
 /// the other slots stay untouched; slots outside the pool and a row count mismatch are refused.
 fn check_into_rows(dev: &Device) {
     for (nbits, g, dtype, width) in [
@@ -274,7 +367,7 @@ fn check_into_rows(dev: &Device) {
             &SlotRows::new(rows.to_vec()),
         )
         .unwrap();
-        let want = format::quantize(&x.to_dtype(dtype).unwrap(), fmt).unwrap();
+        let want = format::quantize_as(&x, fmt, dtype).unwrap();
         let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
         for (i, &r) in rows.iter().enumerate() {
             let r = r as usize;

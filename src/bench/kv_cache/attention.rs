@@ -100,7 +100,7 @@ pub(super) fn rows(
             modes.push((
                 format!("{}-bit{}", f.bits(), if rotated { " rotated" } else { "" }),
                 Some(f.bits()),
-                KvFormat::affine(*f, cfg.dtype, rotated),
+                KvFormat::affine(*f, cfg.scale_dtype(), rotated),
             ));
         }
     }

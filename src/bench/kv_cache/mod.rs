@@ -167,10 +167,16 @@ impl BenchConfig {
         self.values() * self.dtype.size_in_bytes() as u64
     }
 
-    /// Bytes of the quantized cache: codes plus scales and biases in the cache dtype.
+    /// Bytes of the quantized cache: codes plus scales and biases as the cache stores them.
     pub fn quantized_bytes(&self, fmt: QuantFormat) -> u64 {
         let rows = self.values() / self.head_dim as u64;
-        rows * fmt.bytes_per_row(self.head_dim, self.dtype) as u64
+        rows * fmt.bytes_per_row(self.head_dim, self.scale_dtype()) as u64
+    }
+
+    /// The dtype of the scales and biases a cache computing in `dtype` stores
+    /// ([`format::scale_dtype_for`]).
+    pub fn scale_dtype(&self) -> DType {
+        format::scale_dtype_for(self.dtype)
     }
 }
 
@@ -324,8 +330,7 @@ fn time_ms(
 fn errors(xs: &[Tensor], qs: &[Quantized], fmt: QuantFormat) -> Result<(f64, f64)> {
     let (mut sum, mut max, mut count) = (0f64, 0f64, 0u64);
     for (x, q) in xs.iter().zip(qs) {
-        let diff =
-            (x.to_dtype(DType::F32)? - format::dequantize(q, fmt)?.to_dtype(DType::F32)?)?.abs()?;
+        let diff = (x.to_dtype(DType::F32)? - format::dequantize_as(q, fmt, DType::F32)?)?.abs()?;
         sum += diff.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         max = max.max(diff.max_all()?.to_scalar::<f32>()? as f64);
         count += x.elem_count() as u64;
@@ -378,14 +383,14 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
             &format!("quantize {}-bit", fmt.bits()),
             || {
                 for x in &xs {
-                    drop(format::quantize(x, fmt)?);
+                    drop(format::quantize_as(x, fmt, cfg.scale_dtype())?);
                 }
                 Ok(())
             },
         )?;
         let qs = xs
             .iter()
-            .map(|x| format::quantize(x, fmt))
+            .map(|x| format::quantize_as(x, fmt, cfg.scale_dtype()))
             .collect::<candle_core::Result<Vec<Quantized>>>()?;
         let dq_ms = time_ms(
             cfg,
@@ -394,7 +399,7 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
             &format!("dequantize {}-bit", fmt.bits()),
             || {
                 for q in &qs {
-                    drop(format::dequantize(q, fmt)?);
+                    drop(format::dequantize_as(q, fmt, cfg.dtype)?);
                 }
                 Ok(())
             },
@@ -410,7 +415,7 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
             bits: Some(fmt.bits()),
             bytes,
             compression: dense as f64 / bytes as f64,
-            bits_per_value: fmt.bits_per_value(cfg.dtype),
+            bits_per_value: fmt.bits_per_value(cfg.scale_dtype()),
             mean_error,
             max_error,
             quantize_ms: Some(q_ms),

@@ -15,7 +15,7 @@
 use candle_core::DType;
 
 use crate::kv::format::rotation::Rotation;
-use crate::kv::format::{KvFormat, QuantFormat};
+use crate::kv::format::{scale_dtype_for, KvFormat, QuantFormat};
 
 /// Why a set of KV options cannot make a cache (messages name the flags users type).
 #[derive(Debug, thiserror::Error)]
@@ -257,7 +257,7 @@ impl KvOptions {
                     *f = KvFormat::Affine {
                         key,
                         value,
-                        scale_dtype: dtype,
+                        scale_dtype: scale_dtype_for(dtype),
                         rotated,
                     };
                 }

@@ -2,11 +2,17 @@
 //!
 //! On x86-64 with AVX2 and F16C (detected at run time) the blocks run the vector kernels of
 //! [`x86`]; elsewhere the portable kernels below, which compute the same IEEE operations one value
-//! at a time and give bit-identical results (tested). Quantize reads each group, takes min/max,
-//! derives the parameters and writes packed codes; dequantize unpacks 32 codes at a time and
-//! applies `code*scale + bias`. For f16/bf16 the dequantized value is rounded to the narrow type
-//! after the product and after the sum, which is what MLX computes in half precision (f32 has more
-//! than 2p+2 bits, so f32 arithmetic followed by one rounding equals native half arithmetic).
+//! at a time and give bit-identical results (tested). Quantize reads each group (widened to f32),
+//! takes min/max, derives the parameters and writes packed codes, the parameters stored in their
+//! own type: the input's (MLX: codes from the f32 parameters), or f16 / bf16 for f32 input
+//! (`kv::format::scale_dtype_for`; the parameters are rounded first and the codes computed from
+//! the rounded values, so the rounding of a group's bias is not a shift of the whole group, which
+//! a dot product with a query would add up coherently); dequantize widens
+//! each group's scale and bias to f32, unpacks 32 codes at a time and applies `code*scale + bias`.
+//! For f16/bf16 output the dequantized value is rounded to the narrow type after the product and
+//! after the sum, which is what MLX computes in half precision (f32 has more than 2p+2 bits, so
+//! f32 arithmetic followed by one rounding equals native half arithmetic); f32 output keeps the
+//! f32 product and sum.
 
 use super::pack::{code_of, group_params, min_max, pack32, unpack32};
 use crate::ops::pool;
@@ -114,35 +120,35 @@ fn rows_per_task(d: usize) -> usize {
     (VALUES_PER_TASK / d).max(1)
 }
 
-/// Quantizes contiguous rows of `d` values. Output slices are sized by the caller from the format;
-/// every element of them is written.
-pub(crate) fn quantize<T: Elem>(
-    x: &[T],
+/// Quantizes contiguous rows of `d` values of type `X`, the parameters stored as `S`. Output
+/// slices are sized by the caller from the format; every element of them is written.
+pub(crate) fn quantize<X: Elem, S: Elem>(
+    x: &[X],
     d: usize,
     bits: u32,
     group: usize,
     codes: &mut [MaybeUninit<u32>],
-    scales: &mut [MaybeUninit<T>],
-    biases: &mut [MaybeUninit<T>],
+    scales: &mut [MaybeUninit<S>],
+    biases: &mut [MaybeUninit<S>],
 ) {
     match bits {
-        2 => quantize_b::<T, 2>(x, d, group, codes, scales, biases),
-        3 => quantize_b::<T, 3>(x, d, group, codes, scales, biases),
-        4 => quantize_b::<T, 4>(x, d, group, codes, scales, biases),
-        5 => quantize_b::<T, 5>(x, d, group, codes, scales, biases),
-        6 => quantize_b::<T, 6>(x, d, group, codes, scales, biases),
-        8 => quantize_b::<T, 8>(x, d, group, codes, scales, biases),
+        2 => quantize_b::<X, S, 2>(x, d, group, codes, scales, biases),
+        3 => quantize_b::<X, S, 3>(x, d, group, codes, scales, biases),
+        4 => quantize_b::<X, S, 4>(x, d, group, codes, scales, biases),
+        5 => quantize_b::<X, S, 5>(x, d, group, codes, scales, biases),
+        6 => quantize_b::<X, S, 6>(x, d, group, codes, scales, biases),
+        8 => quantize_b::<X, S, 8>(x, d, group, codes, scales, biases),
         _ => unreachable!("QuantFormat admits only 2, 3, 4, 5, 6, 8 bits"),
     }
 }
 
-fn quantize_b<T: Elem, const B: u32>(
-    x: &[T],
+fn quantize_b<X: Elem, S: Elem, const B: u32>(
+    x: &[X],
     d: usize,
     group: usize,
     codes: &mut [MaybeUninit<u32>],
-    scales: &mut [MaybeUninit<T>],
-    biases: &mut [MaybeUninit<T>],
+    scales: &mut [MaybeUninit<S>],
+    biases: &mut [MaybeUninit<S>],
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
@@ -165,22 +171,22 @@ fn quantize_b<T: Elem, const B: u32>(
         #[cfg(target_arch = "x86_64")]
         if crate::simd::avx2::available() {
             // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
-            return unsafe { x86::quantize_block::<T, B>(x, d, group, codes, scales, biases) };
+            return unsafe { x86::quantize_block::<X, S, B>(x, d, group, codes, scales, biases) };
         }
-        let zero = T::from_f64(0.0);
+        let zero = S::from_f64(0.0);
         let (codes, scales, biases) = (init(codes, 0), init(scales, zero), init(biases, zero));
-        quantize_task::<T, B>(x, d, group, codes, scales, biases)
+        quantize_task::<X, S, B>(x, d, group, codes, scales, biases)
     });
 }
 
 /// Quantizes a block of whole rows (one task), portable version.
-fn quantize_task<T: Elem, const B: u32>(
-    x: &[T],
+fn quantize_task<X: Elem, S: Elem, const B: u32>(
+    x: &[X],
     d: usize,
     group: usize,
     codes: &mut [u32],
-    scales: &mut [T],
-    biases: &mut [T],
+    scales: &mut [S],
+    biases: &mut [S],
 ) {
     let (words, groups) = (d * B as usize / 32, d / group);
     let gw = group * B as usize / 32;
@@ -189,6 +195,8 @@ fn quantize_task<T: Elem, const B: u32>(
     let mut s32 = [0f32; MAX_GROUP];
     let mut b32 = [0f32; MAX_GROUP];
     let mut q = [0u32; 32];
+    // f32 rows into half parameters: the codes are computed from the stored (rounded) values.
+    let narrow = std::mem::size_of::<X>() > std::mem::size_of::<S>();
     let row_iter = x
         .chunks_exact(d)
         .zip(codes.chunks_exact_mut(words))
@@ -201,9 +209,14 @@ fn quantize_task<T: Elem, const B: u32>(
             .enumerate()
         {
             let buf = &mut buf[..group];
-            T::load(xg, buf);
+            X::load(xg, buf);
             let (mn, mx) = min_max(buf);
-            let (scale, bias) = group_params(mn, mx, n);
+            let (mut scale, mut bias) = group_params(mn, mx, n);
+            if narrow {
+                let mut p = [scale, bias];
+                S::narrow(&mut p);
+                [scale, bias] = p;
+            }
             s32[gi] = scale;
             b32[gi] = bias;
             for (xc, cc) in buf.chunks_exact(32).zip(cg.chunks_exact_mut(B as usize)) {
@@ -213,39 +226,41 @@ fn quantize_task<T: Elem, const B: u32>(
                 pack32::<B>(&q, cc);
             }
         }
-        T::store(&s32[..groups], sr);
-        T::store(&b32[..groups], br);
+        S::store(&s32[..groups], sr);
+        S::store(&b32[..groups], br);
     }
 }
 
-/// Dequantizes contiguous rows of `d` values into `out`, writing every element.
-pub(crate) fn dequantize<T: Elem>(
+/// Dequantizes contiguous rows of `d` values into `out` (type `O`), writing every element; the
+/// parameters (type `S`) are widened to f32 per group and the product and the sum rounded to
+/// `O` (see the module doc).
+pub(crate) fn dequantize<S: Elem, O: Elem>(
     codes: &[u32],
-    scales: &[T],
-    biases: &[T],
+    scales: &[S],
+    biases: &[S],
     d: usize,
     bits: u32,
     group: usize,
-    out: &mut [MaybeUninit<T>],
+    out: &mut [MaybeUninit<O>],
 ) {
     match bits {
-        2 => dequantize_b::<T, 2>(codes, scales, biases, d, group, out),
-        3 => dequantize_b::<T, 3>(codes, scales, biases, d, group, out),
-        4 => dequantize_b::<T, 4>(codes, scales, biases, d, group, out),
-        5 => dequantize_b::<T, 5>(codes, scales, biases, d, group, out),
-        6 => dequantize_b::<T, 6>(codes, scales, biases, d, group, out),
-        8 => dequantize_b::<T, 8>(codes, scales, biases, d, group, out),
+        2 => dequantize_b::<S, O, 2>(codes, scales, biases, d, group, out),
+        3 => dequantize_b::<S, O, 3>(codes, scales, biases, d, group, out),
+        4 => dequantize_b::<S, O, 4>(codes, scales, biases, d, group, out),
+        5 => dequantize_b::<S, O, 5>(codes, scales, biases, d, group, out),
+        6 => dequantize_b::<S, O, 6>(codes, scales, biases, d, group, out),
+        8 => dequantize_b::<S, O, 8>(codes, scales, biases, d, group, out),
         _ => unreachable!("QuantFormat admits only 2, 3, 4, 5, 6, 8 bits"),
     }
 }
 
-fn dequantize_b<T: Elem, const B: u32>(
+fn dequantize_b<S: Elem, O: Elem, const B: u32>(
     codes: &[u32],
-    scales: &[T],
-    biases: &[T],
+    scales: &[S],
+    biases: &[S],
     d: usize,
     group: usize,
-    out: &mut [MaybeUninit<T>],
+    out: &mut [MaybeUninit<O>],
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
@@ -262,10 +277,12 @@ fn dequantize_b<T: Elem, const B: u32>(
         #[cfg(target_arch = "x86_64")]
         if crate::simd::avx2::available() {
             // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
-            return unsafe { x86::dequantize_block::<T, B>(codes, scales, biases, d, group, out) };
+            return unsafe {
+                x86::dequantize_block::<S, O, B>(codes, scales, biases, d, group, out)
+            };
         }
-        let out = init(out, T::from_f64(0.0));
-        dequantize_task::<T, B>(codes, scales, biases, d, group, out)
+        let out = init(out, O::from_f64(0.0));
+        dequantize_task::<S, O, B>(codes, scales, biases, d, group, out)
     });
 }
 
@@ -276,13 +293,13 @@ fn chunk<T>(s: &[T], i: usize, len: usize) -> &[T] {
 }
 
 /// Dequantizes a block of whole rows (one task), portable version.
-fn dequantize_task<T: Elem, const B: u32>(
+fn dequantize_task<S: Elem, O: Elem, const B: u32>(
     codes: &[u32],
-    scales: &[T],
-    biases: &[T],
+    scales: &[S],
+    biases: &[S],
     d: usize,
     group: usize,
-    out: &mut [T],
+    out: &mut [O],
 ) {
     let (words, groups) = (d * B as usize / 32, d / group);
     let gw = group * B as usize / 32;
@@ -296,8 +313,8 @@ fn dequantize_task<T: Elem, const B: u32>(
         .zip(scales.chunks_exact(groups))
         .zip(biases.chunks_exact(groups));
     for (((or, cr), sr), br) in row_iter {
-        T::load(sr, &mut s32[..groups]);
-        T::load(br, &mut b32[..groups]);
+        S::load(sr, &mut s32[..groups]);
+        S::load(br, &mut b32[..groups]);
         for (gi, (og, cg)) in or
             .chunks_exact_mut(group)
             .zip(cr.chunks_exact(gw))
@@ -311,11 +328,11 @@ fn dequantize_task<T: Elem, const B: u32>(
                     *v = c as f32 * scale;
                 }
             }
-            T::narrow(buf);
+            O::narrow(buf);
             for v in buf.iter_mut() {
                 *v += bias;
             }
-            T::store(buf, og);
+            O::store(buf, og);
         }
     }
 }
@@ -358,39 +375,45 @@ mod tests {
         v.iter().map(|x| x.to_f64().to_bits()).collect()
     }
 
-    fn check<T: Elem, const B: u32>(group: usize) {
+    /// Input `X`, parameters `S`, dequantized into `S` and into f32.
+    fn check<X: Elem, S: Elem, const B: u32>(group: usize) {
         let (rows, d) = (9, 256);
-        let x: Vec<T> = data(rows, d, B as u64 * 1000 + group as u64)
+        let x: Vec<X> = data(rows, d, B as u64 * 1000 + group as u64)
             .into_iter()
-            .map(|v| T::from_f64(v as f64))
+            .map(|v| X::from_f64(v as f64))
             .collect();
         let (nw, ng) = (rows * d * B as usize / 32, rows * d / group);
-        let z = T::from_f64(0.0);
+        let z = S::from_f64(0.0);
         let (mut c0, mut s0, mut b0) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
         let (mut c1, mut s1, mut b1) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
-        quantize_task::<T, B>(&x, d, group, &mut c0, &mut s0, &mut b0);
+        quantize_task::<X, S, B>(&x, d, group, &mut c0, &mut s0, &mut b0);
         let (c1u, s1u, b1u) = (uninit(&mut c1), uninit(&mut s1), uninit(&mut b1));
         // SAFETY: only reached when AVX2 and F16C are present (checked by the caller).
-        unsafe { x86::quantize_block::<T, B>(&x, d, group, c1u, s1u, b1u) };
-        let what = format!("{:?} bits {B} group {group}", T::DTYPE);
+        unsafe { x86::quantize_block::<X, S, B>(&x, d, group, c1u, s1u, b1u) };
+        let what = format!("{:?} into {:?} bits {B} group {group}", X::DTYPE, S::DTYPE);
         assert_eq!(c0, c1, "codes, {what}");
         assert_eq!(bits(&s0), bits(&s1), "scales, {what}");
         assert_eq!(bits(&b0), bits(&b1), "biases, {what}");
         let (mut o0, mut o1) = (vec![z; rows * d], vec![z; rows * d]);
-        dequantize_task::<T, B>(&c0, &s0, &b0, d, group, &mut o0);
+        dequantize_task::<S, S, B>(&c0, &s0, &b0, d, group, &mut o0);
         // SAFETY: as above.
-        unsafe { x86::dequantize_block::<T, B>(&c0, &s0, &b0, d, group, uninit(&mut o1)) };
+        unsafe { x86::dequantize_block::<S, S, B>(&c0, &s0, &b0, d, group, uninit(&mut o1)) };
         assert_eq!(bits(&o0), bits(&o1), "dequantized, {what}");
+        let (mut w0, mut w1) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+        dequantize_task::<S, f32, B>(&c0, &s0, &b0, d, group, &mut w0);
+        // SAFETY: as above.
+        unsafe { x86::dequantize_block::<S, f32, B>(&c0, &s0, &b0, d, group, uninit(&mut w1)) };
+        assert_eq!(bits(&w0), bits(&w1), "dequantized to f32, {what}");
     }
 
-    fn all_bits<T: Elem>() {
+    fn all_bits<X: Elem, S: Elem>() {
         for g in [32, 64, 128] {
-            check::<T, 2>(g);
-            check::<T, 3>(g);
-            check::<T, 4>(g);
-            check::<T, 5>(g);
-            check::<T, 6>(g);
-            check::<T, 8>(g);
+            check::<X, S, 2>(g);
+            check::<X, S, 3>(g);
+            check::<X, S, 4>(g);
+            check::<X, S, 5>(g);
+            check::<X, S, 6>(g);
+            check::<X, S, 8>(g);
         }
     }
 
@@ -400,8 +423,10 @@ mod tests {
             eprintln!("skipped: no AVX2/F16C on this CPU");
             return;
         }
-        all_bits::<f32>();
-        all_bits::<f16>();
-        all_bits::<bf16>();
+        all_bits::<f32, f32>();
+        all_bits::<f16, f16>();
+        all_bits::<bf16, bf16>();
+        all_bits::<f32, f16>();
+        all_bits::<f32, bf16>();
     }
 }

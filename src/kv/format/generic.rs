@@ -54,8 +54,13 @@ fn from_bits(bits: &Tensor, k: u32) -> Result<Tensor> {
 
 /// Quantizes `x [..., D]` with candle ops only; same results as the fused kernels.
 pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
+    quantize_as(x, fmt, x.dtype())
+}
+
+/// [`quantize`] with the parameters stored as `dtype` (`super::ops::quantize_as`): computed
+/// from `x`'s values in f32; rows wider than `dtype` get their codes from the rounded parameters.
+pub fn quantize_as(x: &Tensor, fmt: QuantFormat, dtype: DType) -> Result<Quantized> {
     let (rows, d) = check_input(x, fmt, "quantize")?;
-    let dtype = x.dtype();
     let (g, b) = (fmt.group_size(), fmt.bits());
     let groups = fmt.groups_per_row(d);
     let xf = x.to_dtype(DType::F32)?.reshape((rows, groups, g))?;
@@ -74,6 +79,13 @@ pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
     // Where q0 == 0 the division below is by zero; those lanes are discarded by where_cond.
     let scale = nonzero.where_cond(&edge.div(&q0)?, &scale)?;
     let bias = nonzero.where_cond(&edge, &zero)?;
+    // Rows wider than the parameters (f32 into f16 / bf16): codes from the rounded parameters.
+    let (scale, bias) = if x.dtype().size_in_bytes() > dtype.size_in_bytes() {
+        let round = |t: &Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
+        (round(&scale)?, round(&bias)?)
+    } else {
+        (scale, bias)
+    };
 
     let v = xf.broadcast_sub(&bias)?.broadcast_div(&scale)?;
     let v = v
@@ -96,19 +108,29 @@ pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
 /// Dequantizes with candle ops only, in the scales' dtype (half types round after the product
 /// and after the sum, like the fused kernels).
 pub fn dequantize(q: &Quantized, fmt: QuantFormat) -> Result<Tensor> {
+    dequantize_as(q, fmt, q.scales.dtype())
+}
+
+/// Dequantizes into `dtype` (`super::ops::dequantize_as`): in the scales' dtype when `dtype` is
+/// that, else in f32 with the parameters widened, then cast.
+pub fn dequantize_as(q: &Quantized, fmt: QuantFormat, want: DType) -> Result<Tensor> {
     let (rows, d) = check_quantized(q, fmt, "dequantize")?;
-    let dtype = q.scales.dtype();
+    let dtype = if want == q.scales.dtype() {
+        want
+    } else {
+        DType::F32
+    };
     let (g, b) = (fmt.group_size(), fmt.bits());
     let groups = fmt.groups_per_row(d);
     let words = q.codes.reshape((rows, fmt.words_per_row(d)))?;
     let stream = to_bits(&words, 32)?.reshape((rows, d, b as usize))?;
     let codes = from_bits(&stream, b)?;
     let codes = codes.to_dtype(dtype)?.reshape((rows, groups, g))?;
-    let scales = q.scales.reshape((rows, groups, 1))?;
-    let biases = q.biases.reshape((rows, groups, 1))?;
+    let scales = q.scales.to_dtype(dtype)?.reshape((rows, groups, 1))?;
+    let biases = q.biases.to_dtype(dtype)?.reshape((rows, groups, 1))?;
     let out = codes.broadcast_mul(&scales)?.broadcast_add(&biases)?;
     let mut shape = q.scales.dims().to_vec();
     let last = shape.len() - 1;
     shape[last] = d;
-    out.reshape(shape)
+    out.reshape(shape)?.to_dtype(want)
 }

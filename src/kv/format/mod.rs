@@ -26,12 +26,24 @@ pub mod tag;
 
 pub use affine::{QuantError, QuantFormat};
 pub use ops::{
-    dequantize, fused_rotation, quantize, quantize_into, quantize_into_rows,
-    quantize_rotated_into_rows, quantize_rows_into, Quantized, SlotRows,
+    dequantize, dequantize_as, fused_rotation, quantize, quantize_as, quantize_into,
+    quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, Quantized, SlotRows,
 };
 pub use storage::{LayerKv, LayerRows};
 
 use candle_core::DType;
+
+/// The dtype of the affine scales and biases of a cache computing in `dtype`: f16 for f32, so
+/// a g64 value costs `bits + 0.5` bits as llama.cpp's q4_0 does rather than `bits + 1` (the
+/// parameters are still computed in f32 and only stored rounded; the kernels widen them back),
+/// and the compute dtype itself for f16 / bf16 — MLX's format, which keeps the parameters in
+/// the model's dtype (docs/ARCHITECTURE.md, "Decisions").
+pub fn scale_dtype_for(dtype: DType) -> DType {
+    match dtype {
+        DType::F32 => DType::F16,
+        other => other,
+    }
+}
 
 /// The element format of a layer's blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,8 +91,8 @@ impl KvFormat {
         }
     }
 
-    /// The float dtype of the format's values: dense values, or affine scales and biases (rows
-    /// are read back in it).
+    /// The float dtype the format stores: dense values, or affine scales and biases (which
+    /// may be narrower than the compute dtype: [`scale_dtype_for`]).
     pub fn value_dtype(&self) -> DType {
         match self {
             KvFormat::Dense(dt) => *dt,

@@ -2,10 +2,13 @@
 //! `mx.dequantize` (docs/ARCHITECTURE.md).
 //!
 //! A tensor `[..., D]` becomes `codes` (u32 `[..., D*bits/32]`, one LSB-first bit stream per
-//! row), `scales` and `biases` (`[..., D/g]`, the input's dtype). Parameters are computed in f32
-//! and cast to the input dtype; codes are computed from the f32 parameters; dequantization runs in
-//! the scales' dtype (for f16/bf16: rounded after the product and after the sum) — the golden
-//! vectors show MLX does exactly this.
+//! row), `scales` and `biases` (`[..., D/g]`). Parameters are computed in f32 and cast to the
+//! scales' dtype — the input's for [`quantize`] (MLX; codes from the f32 parameters), or a
+//! narrower one for f32 rows ([`quantize_as`]: f16 scales, what a cache computing in f32 stores;
+//! codes from the rounded parameters).
+//! [`dequantize`] runs in the scales' dtype (for f16/bf16: rounded after the product and after
+//! the sum) — the golden vectors show MLX does exactly this; [`dequantize_as`] into f32 widens
+//! the parameters and computes in f32.
 //!
 //! Three implementations, one contract:
 //! - `cpu`: fused single-pass kernels, rayon over row blocks (the default path on CPU);
@@ -30,34 +33,76 @@ use super::quantized::{check_input, check_quantized, with_last, wrap};
 use super::{cpu, generic, QuantError, QuantFormat};
 
 use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
+use half::{bf16, f16};
 
-/// Quantizes `x [..., D]` (f32, f16 or bf16). Fused kernel on CPU (multi-threaded, rayon) and
-/// CUDA; generic candle ops on every other backend.
+/// Quantizes `x [..., D]` (f32, f16 or bf16), scales and biases in `x`'s dtype: MLX's
+/// `mx.quantize`. Fused kernel on CPU (multi-threaded, rayon) and CUDA; generic candle ops on
+/// every other backend.
 pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
+    quantize_as(x, fmt, x.dtype())
+}
+
+/// Quantizes `x [..., D]` with scales and biases stored as `scale_dtype` (f32, f16 or bf16),
+/// from `x`'s own values (f32 rows are not rounded to a narrower `scale_dtype` first):
+/// `quantize_as(x, fmt, x.dtype())` is [`quantize`]. For f32 rows into f16 / bf16 parameters
+/// (what a cache computing in f32 stores, `super::scale_dtype_for`) the parameters are computed
+/// in f32 as [`quantize`] does, rounded, and the codes computed from the rounded values: the
+/// rounding of a group's bias is then absorbed by the codes instead of shifting the whole group
+/// (a coherent error in every `q·k̂`). A half `x` with the other half type's parameters is
+/// widened to f32 first (exact).
+pub fn quantize_as(x: &Tensor, fmt: QuantFormat, scale_dtype: DType) -> Result<Quantized> {
     let (_, d) = check_input(x, fmt, "quantize")?;
+    if !matches!(scale_dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(QuantError::DType {
+            op: "quantize",
+            dtype: scale_dtype,
+        }
+        .into());
+    }
+    let widened;
+    let x = if x.dtype() != scale_dtype && x.dtype() != DType::F32 {
+        widened = x.to_dtype(DType::F32)?;
+        &widened
+    } else {
+        x
+    };
     match x.device() {
         Device::Cpu => {
             let x = x.contiguous()?;
-            quantize_cpu(&x, fmt, d)
+            quantize_cpu(&x, fmt, d, scale_dtype)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let x = x.contiguous()?;
-            cuda::quantize(&x, fmt, d)
+            cuda::quantize(&x, fmt, d, scale_dtype)
         }
-        _ => generic::quantize(x, fmt),
+        _ => generic::quantize_as(x, fmt, scale_dtype),
     }
 }
 
-/// Dequantizes into the scales' dtype, shape `[..., D]`. Same dispatch as [`quantize`].
+/// Dequantizes into the scales' dtype, shape `[..., D]`: MLX's `mx.dequantize` (half types round
+/// after the product and after the sum). Same dispatch as [`quantize`].
 pub fn dequantize(q: &Quantized, fmt: QuantFormat) -> Result<Tensor> {
+    dequantize_as(q, fmt, q.scales.dtype())
+}
+
+/// Dequantizes into `dtype`: [`dequantize`] when `dtype` is the scales' dtype; otherwise each
+/// group's scale and bias widened to f32 and `code*scale + bias` computed in f32 (what the fused
+/// decode kernels compute), then cast to `dtype` where that is not f32.
+pub fn dequantize_as(q: &Quantized, fmt: QuantFormat, dtype: DType) -> Result<Tensor> {
     let (_, d) = check_quantized(q, fmt, "dequantize")?;
-    match q.codes.device() {
-        Device::Cpu => dequantize_cpu(q, fmt, d),
+    let out = if dtype == q.scales.dtype() {
+        dtype
+    } else {
+        DType::F32
+    };
+    let x = match q.codes.device() {
+        Device::Cpu => dequantize_cpu(q, fmt, d, out)?,
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda::dequantize(q, fmt, d),
-        _ => generic::dequantize(q, fmt),
-    }
+        Device::Cuda(_) => cuda::dequantize(q, fmt, d, out)?,
+        _ => generic::dequantize_as(q, fmt, out)?,
+    };
+    x.to_dtype(dtype)
 }
 
 /// Checks `x [n, D]` against a pool of rank 2 in `fmt`; returns (pool rows, n).
@@ -80,8 +125,9 @@ fn check_rows_into(
 }
 
 /// Quantizes `x [n, D]` into rows `slots` (u32 `[n]`) of a preallocated pool: `dst.codes [slots,
-/// D*bits/32]`, `dst.scales` / `dst.biases [slots, D/g]` (the pool's dtype; `x` is cast to it).
-/// Rows not named in `slots` are left untouched.
+/// D*bits/32]`, `dst.scales` / `dst.biases [slots, D/g]` (the pool's scale dtype; `x` is
+/// quantized from its own values, as [`quantize_as`] does). Rows not named in `slots` are left
+/// untouched.
 pub fn quantize_into(x: &Tensor, fmt: QuantFormat, dst: &Quantized, slots: &Tensor) -> Result<()> {
     let op = "quantize_into";
     let (pool_rows, n) = check_rows_into(x, fmt, dst, op)?;
@@ -102,7 +148,7 @@ pub fn quantize_into(x: &Tensor, fmt: QuantFormat, dst: &Quantized, slots: &Tens
     if n == 0 {
         return Ok(());
     }
-    let q = quantize(&x.to_dtype(dst.scales.dtype())?, fmt)?;
+    let q = quantize_as(x, fmt, dst.scales.dtype())?;
     let scatter = |pool: &Tensor, src: &Tensor| -> Result<()> {
         let idx = slots
             .unsqueeze(1)?
@@ -138,7 +184,7 @@ pub fn quantize_rows_into(
     if n == 0 {
         return Ok(());
     }
-    let q = quantize(&x.to_dtype(dst.scales.dtype())?, fmt)?;
+    let q = quantize_as(x, fmt, dst.scales.dtype())?;
     dst.codes.slice_set(&q.codes, 0, first)?;
     dst.scales.slice_set(&q.scales, 0, first)?;
     dst.biases.slice_set(&q.biases, 0, first)
@@ -229,7 +275,12 @@ pub fn quantize_into_rows(
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(_) = x.device() {
-        let x = x.to_dtype(dst.scales.dtype())?.contiguous()?;
+        // As `quantize_as`: f32 rows stay f32, a half type other than the pool's is widened.
+        let x = if matches!(x.dtype(), DType::F32) || x.dtype() == dst.scales.dtype() {
+            x.contiguous()?
+        } else {
+            x.to_dtype(DType::F32)?
+        };
         return cuda::quantize_into_rows(&x, fmt, dst, &slots.on(x.device())?);
     }
     for (i, len) in slot_runs(rows) {
@@ -333,7 +384,8 @@ pub(crate) fn slot_runs(rows: &[u32]) -> impl Iterator<Item = (usize, usize)> + 
     })
 }
 
-fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
+/// [`quantize_as`] on the CPU: input of the scales' dtype, or f32 (the caller widened the rest).
+fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize, sdt: DType) -> Result<Quantized> {
     let rows = x.elem_count() / d;
     let (words, groups) = (fmt.words_per_row(d), fmt.groups_per_row(d));
     let (storage, layout) = x.storage_and_layout();
@@ -342,14 +394,14 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
         .ok_or_else(|| candle_core::Error::Msg("quantize: input is not contiguous".into()))?;
     let nc = rows * words;
     let mut codes = Vec::with_capacity(nc);
-    fn run<T: cpu::Elem>(
-        x: &[T],
+    fn run<X: cpu::Elem, S: cpu::Elem>(
+        x: &[X],
         d: usize,
         fmt: QuantFormat,
         codes: &mut Vec<u32>,
         nc: usize,
         n: usize,
-    ) -> (Vec<T>, Vec<T>) {
+    ) -> (Vec<S>, Vec<S>) {
         let (mut s, mut b) = (Vec::with_capacity(n), Vec::with_capacity(n));
         cpu::quantize(
             x,
@@ -370,19 +422,18 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
         (s, b)
     }
     let n = rows * groups;
-    let (scales, biases) = match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => {
-            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, nc, n);
-            (CpuStorage::F32(s), CpuStorage::F32(b))
-        }
-        Storage::Cpu(CpuStorage::F16(v)) => {
-            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, nc, n);
-            (CpuStorage::F16(s), CpuStorage::F16(b))
-        }
-        Storage::Cpu(CpuStorage::BF16(v)) => {
-            let (s, b) = run(&v[lo..hi], d, fmt, &mut codes, nc, n);
-            (CpuStorage::BF16(s), CpuStorage::BF16(b))
-        }
+    macro_rules! go {
+        ($v:expr, $s:ty, $variant:ident) => {{
+            let (s, b) = run::<_, $s>(&$v[lo..hi], d, fmt, &mut codes, nc, n);
+            (CpuStorage::$variant(s), CpuStorage::$variant(b))
+        }};
+    }
+    let (scales, biases) = match (&*storage, sdt) {
+        (Storage::Cpu(CpuStorage::F32(v)), DType::F32) => go!(v, f32, F32),
+        (Storage::Cpu(CpuStorage::F32(v)), DType::F16) => go!(v, f16, F16),
+        (Storage::Cpu(CpuStorage::F32(v)), DType::BF16) => go!(v, bf16, BF16),
+        (Storage::Cpu(CpuStorage::F16(v)), DType::F16) => go!(v, f16, F16),
+        (Storage::Cpu(CpuStorage::BF16(v)), DType::BF16) => go!(v, bf16, BF16),
         _ => {
             return Err(QuantError::DType {
                 op: "quantize",
@@ -398,7 +449,8 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
     })
 }
 
-fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
+/// [`dequantize_as`] on the CPU into `out`: the scales' dtype or f32.
+fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize, out: DType) -> Result<Tensor> {
     let (codes, scales, biases) = (
         q.codes.contiguous()?,
         q.scales.contiguous()?,
@@ -419,14 +471,14 @@ fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
         ));
     };
     let cv = &cv[c0..c1];
-    fn run<T: cpu::Elem>(
+    fn run<S: cpu::Elem, O: cpu::Elem>(
         cv: &[u32],
-        s: &[T],
-        b: &[T],
+        s: &[S],
+        b: &[S],
         d: usize,
         fmt: QuantFormat,
         len: usize,
-    ) -> Vec<T> {
+    ) -> Vec<O> {
         let mut out = Vec::with_capacity(len);
         cpu::dequantize(
             cv,
@@ -442,16 +494,18 @@ fn dequantize_cpu(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
         out
     }
     let len = rows * d;
-    let out = match (&*ss, &*bs) {
-        (Storage::Cpu(CpuStorage::F32(s)), Storage::Cpu(CpuStorage::F32(b))) => {
-            CpuStorage::F32(run(cv, &s[s0..s1], &b[b0..b1], d, fmt, len))
-        }
-        (Storage::Cpu(CpuStorage::F16(s)), Storage::Cpu(CpuStorage::F16(b))) => {
-            CpuStorage::F16(run(cv, &s[s0..s1], &b[b0..b1], d, fmt, len))
-        }
-        (Storage::Cpu(CpuStorage::BF16(s)), Storage::Cpu(CpuStorage::BF16(b))) => {
-            CpuStorage::BF16(run(cv, &s[s0..s1], &b[b0..b1], d, fmt, len))
-        }
+    macro_rules! go {
+        ($s:expr, $b:expr, $o:ty, $variant:ident) => {
+            CpuStorage::$variant(run::<_, $o>(cv, &$s[s0..s1], &$b[b0..b1], d, fmt, len))
+        };
+    }
+    use Storage::Cpu;
+    let out = match (&*ss, &*bs, out) {
+        (Cpu(CpuStorage::F32(s)), Cpu(CpuStorage::F32(b)), DType::F32) => go!(s, b, f32, F32),
+        (Cpu(CpuStorage::F16(s)), Cpu(CpuStorage::F16(b)), DType::F16) => go!(s, b, f16, F16),
+        (Cpu(CpuStorage::BF16(s)), Cpu(CpuStorage::BF16(b)), DType::BF16) => go!(s, b, bf16, BF16),
+        (Cpu(CpuStorage::F16(s)), Cpu(CpuStorage::F16(b)), DType::F32) => go!(s, b, f32, F32),
+        (Cpu(CpuStorage::BF16(s)), Cpu(CpuStorage::BF16(b)), DType::F32) => go!(s, b, f32, F32),
         _ => {
             return Err(QuantError::DType {
                 op: "dequantize",

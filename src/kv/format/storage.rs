@@ -8,8 +8,8 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::ops::{
-    dequantize, fused_rotation, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into,
-    slot_runs, Quantized, SlotRows,
+    dequantize_as, fused_rotation, quantize_into_rows, quantize_rotated_into_rows,
+    quantize_rows_into, slot_runs, Quantized, SlotRows,
 };
 use super::rotation::Rotation;
 use super::{KvFormat, QuantFormat};
@@ -188,7 +188,8 @@ impl LayerKv {
     }
 
     /// K and V of `slots` (u32 `[n]`) as dense `[n, width]` tensors of `dtype` — quantized
-    /// rows are dequantized here, only these rows.
+    /// rows are dequantized here, only these rows, into `dtype` ([`dequantize_as`]: in f32 from
+    /// f16 scales when computing in f32, as the fused decode kernels do).
     pub fn gather(&self, slots: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
         match self {
             LayerKv::Dense { k, v } => Ok((
@@ -204,7 +205,7 @@ impl LayerKv {
                         scales: q.scales.index_select(slots, 0)?,
                         biases: q.biases.index_select(slots, 0)?,
                     };
-                    dequantize(&sub, *fmt)?.to_dtype(dtype)
+                    dequantize_as(&sub, *fmt, dtype)
                 };
                 Ok((pick(k, kfmt)?, pick(v, vfmt)?))
             }

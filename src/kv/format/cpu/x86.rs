@@ -9,7 +9,7 @@
 //! stream bits; four such pieces fill the B words of a 32-code chunk through a u128 accumulator
 //! whose shifts are all compile-time constants. Dequantize pulls 8·B bits out of the chunk's words,
 //! broadcasts them, shifts per lane, masks, and applies `code*scale + bias` with the narrow-type
-//! rounding of MLX.
+//! rounding of MLX when the output is f16/bf16 (none for f32 output).
 
 use super::super::pack::group_params;
 use crate::simd::lanes::Lanes;
@@ -120,18 +120,19 @@ unsafe fn pack32<const B: u32>(q: [__m256i; 4], out: *mut u32) {
     }
 }
 
-/// Quantizes a block of whole rows, writing every element of the three outputs. Slice lengths must follow the format (`x.len() = rows*d`,
+/// Quantizes a block of whole rows of `X`, writing every element of the three outputs (the
+/// parameters as `S`). Slice lengths must follow the format (`x.len() = rows*d`,
 /// `codes.len() = rows*d*B/32`, `scales.len() = biases.len() = rows*d/group`); they are checked.
 /// Groups go in passes: min/max of each group, then the parameters of 8 groups per vector, then
 /// the codes (the group's values are re-read from cache).
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn quantize_block<T: Lanes, const B: u32>(
-    x: &[T],
+pub(super) unsafe fn quantize_block<X: Lanes, S: Lanes, const B: u32>(
+    x: &[X],
     d: usize,
     group: usize,
     codes: &mut [MaybeUninit<u32>],
-    scales: &mut [MaybeUninit<T>],
-    biases: &mut [MaybeUninit<T>],
+    scales: &mut [MaybeUninit<S>],
+    biases: &mut [MaybeUninit<S>],
 ) {
     let b = B as usize;
     let rows = x.len() / d;
@@ -145,6 +146,8 @@ pub(super) unsafe fn quantize_block<T: Lanes, const B: u32>(
     );
     let n = ((1u32 << B) - 1) as f32;
     let vn = _mm256_set1_ps(n);
+    // f32 rows into half parameters: codes from the rounded parameters (as the portable kernel).
+    let narrow = std::mem::size_of::<X>() > std::mem::size_of::<S>();
     let mut lo_buf = [0f32; GROUPS_PER_PASS];
     let mut hi_buf = [0f32; GROUPS_PER_PASS];
     let mut scale_buf = [0f32; GROUPS_PER_PASS];
@@ -157,7 +160,7 @@ pub(super) unsafe fn quantize_block<T: Lanes, const B: u32>(
             let mut lo = _mm256_set1_ps(f32::INFINITY);
             let mut hi = _mm256_set1_ps(f32::NEG_INFINITY);
             for i in (0..group).step_by(8) {
-                let v = T::load8(gp.add(i));
+                let v = X::load8(gp.add(i));
                 // `v < lo ? v : lo` and `v > hi ? v : hi`: NaNs never enter.
                 lo = _mm256_min_ps(v, lo);
                 hi = _mm256_max_ps(v, hi);
@@ -169,23 +172,33 @@ pub(super) unsafe fn quantize_block<T: Lanes, const B: u32>(
             let mn = _mm256_loadu_ps(lo_buf.as_ptr().add(j));
             let mx = _mm256_loadu_ps(hi_buf.as_ptr().add(j));
             let (scale, bias) = group_params8(mn, mx, vn);
+            let (scale, bias) = if narrow {
+                (S::narrow8(scale), S::narrow8(bias))
+            } else {
+                (scale, bias)
+            };
             _mm256_storeu_ps(scale_buf.as_mut_ptr().add(j), scale);
             _mm256_storeu_ps(bias_buf.as_mut_ptr().add(j), bias);
-            T::store8(scales.as_mut_ptr().add(g0 + j) as *mut T, scale);
-            T::store8(biases.as_mut_ptr().add(g0 + j) as *mut T, bias);
+            S::store8(scales.as_mut_ptr().add(g0 + j) as *mut S, scale);
+            S::store8(biases.as_mut_ptr().add(g0 + j) as *mut S, bias);
         }
         for j in whole..count {
             let (scale, bias) = group_params(lo_buf[j], hi_buf[j], n);
+            let (scale, bias) = if narrow {
+                (S::from_f32(scale).to_f32(), S::from_f32(bias).to_f32())
+            } else {
+                (scale, bias)
+            };
             (scale_buf[j], bias_buf[j]) = (scale, bias);
-            scales.get_unchecked_mut(g0 + j).write(T::from_f32(scale));
-            biases.get_unchecked_mut(g0 + j).write(T::from_f32(bias));
+            scales.get_unchecked_mut(g0 + j).write(S::from_f32(scale));
+            biases.get_unchecked_mut(g0 + j).write(S::from_f32(bias));
         }
         let mut out = codes.as_mut_ptr().add(g0 * group * b / 32) as *mut u32;
         for j in 0..count {
             let gp = xp.add(j * group);
             let (vs, vb) = (_mm256_set1_ps(scale_buf[j]), _mm256_set1_ps(bias_buf[j]));
             for c in (0..group).step_by(32) {
-                let q = [0, 8, 16, 24].map(|k| code8(T::load8(gp.add(c + k)), vs, vb, vn));
+                let q = [0, 8, 16, 24].map(|k| code8(X::load8(gp.add(c + k)), vs, vb, vn));
                 pack32::<B>(q, out);
                 out = out.add(b);
             }
@@ -233,15 +246,16 @@ unsafe fn codes8<const B: u32>(w: *const u32, k: usize) -> __m256i {
     _mm256_and_si256(_mm256_srlv_epi32(v, lane_shifts::<B>()), mask)
 }
 
-/// Dequantizes a block of whole rows, writing every element of `out`; slice lengths as for [`quantize_block`], checked.
+/// Dequantizes a block of whole rows into `O`, writing every element of `out` (each group's
+/// scale and bias widened from `S` once); slice lengths as for [`quantize_block`], checked.
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn dequantize_block<T: Lanes, const B: u32>(
+pub(super) unsafe fn dequantize_block<S: Lanes, O: Lanes, const B: u32>(
     codes: &[u32],
-    scales: &[T],
-    biases: &[T],
+    scales: &[S],
+    biases: &[S],
     d: usize,
     group: usize,
-    out: &mut [MaybeUninit<T>],
+    out: &mut [MaybeUninit<O>],
 ) {
     let b = B as usize;
     let rows = out.len() / d;
@@ -256,13 +270,13 @@ pub(super) unsafe fn dequantize_block<T: Lanes, const B: u32>(
     for gi in 0..groups {
         let vs = _mm256_set1_ps(scales.get_unchecked(gi).to_f32());
         let vb = _mm256_set1_ps(biases.get_unchecked(gi).to_f32());
-        let op = out.as_mut_ptr().add(gi * group) as *mut T;
+        let op = out.as_mut_ptr().add(gi * group) as *mut O;
         let wp = codes.as_ptr().add(gi * group * b / 32);
         for c in 0..group / 32 {
             let w = wp.add(c * b);
             for k in 0..4 {
                 let v = _mm256_mul_ps(_mm256_cvtepi32_ps(codes8::<B>(w, k)), vs);
-                T::store8(op.add(32 * c + 8 * k), _mm256_add_ps(T::narrow8(v), vb));
+                O::store8(op.add(32 * c + 8 * k), _mm256_add_ps(O::narrow8(v), vb));
             }
         }
     }

@@ -23,7 +23,10 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const float* 
 // enough bytes are in flight per SM to cover memory latency (one 16-byte load each is too few).
 #define KVQ_Q_UNROLL 4
 
-template <typename T, int B>
+// ROUND (input wider than T: f32 rows into f16 / bf16 parameters): the parameters are rounded
+// to T first and the codes computed from the rounded values (src/kv/format/ops.rs, quantize_as);
+// otherwise MLX: codes from the f32 parameters.
+template <typename T, int B, bool ROUND>
 __device__ __forceinline__ void quantize_chunk(const float* v, float mn, float mx, uint64_t t, int lanes,
                                                uint32_t* __restrict__ codes, T* __restrict__ scales,
                                                T* __restrict__ biases) {
@@ -35,6 +38,7 @@ __device__ __forceinline__ void quantize_chunk(const float* v, float mn, float m
     const float q0 = rintf(__fdiv_rn(edge, scale));
     float bias = 0.f;
     if (q0 != 0.f) { scale = __fdiv_rn(edge, q0); bias = edge; }
+    if (ROUND) { scale = to_f(from_f<T>(scale)); bias = to_f(from_f<T>(bias)); }
     uint64_t packed = 0;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
@@ -58,9 +62,9 @@ __device__ __forceinline__ void quantize_chunk(const float* v, float mn, float m
 }
 
 // `rows` (optional): input row r is written as row rows[r] of the outputs (a paged pool), each
-// row `cpr` chunks of 8 values; null writes row r to row r.
-template <typename T, int B>
-__device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t* __restrict__ codes,
+// row `cpr` chunks of 8 values; null writes row r to row r. Input IT: T, or f32 with narrower T.
+template <typename IT, typename T, int B>
+__device__ __forceinline__ void quantize_impl(const IT* __restrict__ x, uint32_t* __restrict__ codes,
                                               T* __restrict__ scales, T* __restrict__ biases,
                                               uint64_t nchunks, int group,
                                               const uint32_t* __restrict__ rows = nullptr, uint64_t cpr = 1) {
@@ -90,14 +94,16 @@ __device__ __forceinline__ void quantize_impl(const T* __restrict__ x, uint32_t*
         }
         if (t < nchunks) {
             const uint64_t to = rows ? (uint64_t)rows[t / cpr] * cpr + t % cpr : t;
-            quantize_chunk<T, B>(v[u], mn, mx, to, lanes, codes, scales, biases);
+            quantize_chunk<T, B, (sizeof(IT) > sizeof(T))>(v[u], mn, mx, to, lanes, codes, scales, biases);
         }
     }
 }
 
-template <typename T, int B>
+// Output O: T (MLX: half types round the product and the sum), or f32 from narrower T (the
+// parameters widened, f32 arithmetic).
+template <typename T, typename O, int B>
 __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ codes, const T* __restrict__ scales,
-                                                const T* __restrict__ biases, T* __restrict__ out,
+                                                const T* __restrict__ biases, O* __restrict__ out,
                                                 uint64_t nchunks, int group) {
     const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= nchunks) return;
@@ -114,7 +120,7 @@ __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ cod
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         float p = __fmul_rn((float)((uint32_t)(win >> (k * B)) & mask), sc);
-        p = to_f(from_f<T>(p));  // half types round the product, as MLX computes in half
+        p = to_f(from_f<O>(p));  // half types round the product, as MLX computes in half
         v[k] = __fadd_rn(p, bi);
     }
     store8(out + t * 8, v);
@@ -122,8 +128,8 @@ __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ cod
 
 // The rotated scheme (src/kv/rotation.rs) fused into the cache write: each head vector x of D
 // values is rotated as (s ⊙ x)·H/√D by a fast Walsh–Hadamard transform over the D/8 lanes that
-// hold it (three butterfly stages in registers, the rest by xor shuffles), rounded to the pool's
-// type as the unfused path's cast does, then quantized and written as quantize_rows does. Lanes
+// hold it (three butterfly stages in registers, the rest by xor shuffles), rounded to the input's
+// type as the unfused path's rotation does, then quantized and written as quantize_rows does. Lanes
 // past the end compute on zeros and store nothing (every lane takes part in the shuffles).
 template <typename IT, typename T, int B, int D>
 __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint32_t* __restrict__ codes,
@@ -159,7 +165,7 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
         }
     const float nrm = (float)(1.0 / sqrt((double)D));
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = to_f(from_f<T>(__fmul_rn(v[k], nrm)));
+    for (int k = 0; k < 8; k++) v[k] = to_f(from_f<IT>(__fmul_rn(v[k], nrm)));
     const int lanes = group / 8;
     float mn = v[0], mx = v[0];
 #pragma unroll
@@ -170,7 +176,7 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
     }
     if (t < nchunks) {
         const uint64_t to = (uint64_t)rows[t / cpr] * cpr + t % cpr;
-        quantize_chunk<T, B>(v, mn, mx, to, lanes, codes, scales, biases);
+        quantize_chunk<T, B, (sizeof(IT) > sizeof(T))>(v, mn, mx, to, lanes, codes, scales, biases);
     }
 }
 
@@ -187,20 +193,23 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
             quantize_rot_impl<IT, T, B, D>(xv, vc, vs, vb, nchunks, group, rows, cpr, signs);       \
     }
 
-#define KVQ_QUANT(TNAME, T, B)                                                                      \
-    extern "C" __global__ void quantize_##TNAME##_b##B(const T* x, uint32_t* codes, T* scales,     \
-                                                       T* biases, uint64_t nchunks, int group) {    \
-        quantize_impl<T, B>(x, codes, scales, biases, nchunks, group);                              \
+// Quantize X rows into T parameters: quantize_<x>_<t>_b<bits>, quantize_rows_<x>_<t>_b<bits>.
+#define KVQ_QUANT(XNAME, X, TNAME, T, B)                                                            \
+    extern "C" __global__ void quantize_##XNAME##_##TNAME##_b##B(                                   \
+        const X* x, uint32_t* codes, T* scales, T* biases, uint64_t nchunks, int group) {          \
+        quantize_impl<X, T, B>(x, codes, scales, biases, nchunks, group);                           \
     }                                                                                               \
-    extern "C" __global__ void quantize_rows_##TNAME##_b##B(                                        \
-        const T* x, uint32_t* codes, T* scales, T* biases, uint64_t nchunks, int group,            \
+    extern "C" __global__ void quantize_rows_##XNAME##_##TNAME##_b##B(                              \
+        const X* x, uint32_t* codes, T* scales, T* biases, uint64_t nchunks, int group,            \
         const uint32_t* rows, uint64_t cpr) {                                                       \
-        quantize_impl<T, B>(x, codes, scales, biases, nchunks, group, rows, cpr);                   \
-    }                                                                                               \
-    extern "C" __global__ void dequantize_##TNAME##_b##B(const uint32_t* codes, const T* scales,   \
-                                                         const T* biases, T* out, uint64_t nchunks, \
-                                                         int group) {                               \
-        dequantize_impl<T, B>(codes, scales, biases, out, nchunks, group);                          \
+        quantize_impl<X, T, B>(x, codes, scales, biases, nchunks, group, rows, cpr);                \
+    }
+// Dequantize T parameters into O values: dequantize_<t>_<o>_b<bits>.
+#define KVQ_DEQUANT(TNAME, T, ONAME, O, B)                                                          \
+    extern "C" __global__ void dequantize_##TNAME##_##ONAME##_b##B(                                 \
+        const uint32_t* codes, const T* scales, const T* biases, O* out, uint64_t nchunks,         \
+        int group) {                                                                                \
+        dequantize_impl<T, O, B>(codes, scales, biases, out, nchunks, group);                       \
     }
 
 #define KVQ_ROT_D(INAME, IT, TNAME, T, B)                                                           \
@@ -209,13 +218,27 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
     KVQ_ROT_D(INAME, IT, TNAME, T, 2) KVQ_ROT_D(INAME, IT, TNAME, T, 3)                             \
     KVQ_ROT_D(INAME, IT, TNAME, T, 4) KVQ_ROT_D(INAME, IT, TNAME, T, 5)                             \
     KVQ_ROT_D(INAME, IT, TNAME, T, 6) KVQ_ROT_D(INAME, IT, TNAME, T, 8)
-#define KVQ_ALL_BITS(TNAME, T) \
-    KVQ_QUANT(TNAME, T, 2) KVQ_QUANT(TNAME, T, 3) KVQ_QUANT(TNAME, T, 4) \
-    KVQ_QUANT(TNAME, T, 5) KVQ_QUANT(TNAME, T, 6) KVQ_QUANT(TNAME, T, 8)
+#define KVQ_QUANT_ALL(XNAME, X, TNAME, T)                                                           \
+    KVQ_QUANT(XNAME, X, TNAME, T, 2) KVQ_QUANT(XNAME, X, TNAME, T, 3)                               \
+    KVQ_QUANT(XNAME, X, TNAME, T, 4) KVQ_QUANT(XNAME, X, TNAME, T, 5)                               \
+    KVQ_QUANT(XNAME, X, TNAME, T, 6) KVQ_QUANT(XNAME, X, TNAME, T, 8)
+#define KVQ_DEQUANT_ALL(TNAME, T, ONAME, O)                                                         \
+    KVQ_DEQUANT(TNAME, T, ONAME, O, 2) KVQ_DEQUANT(TNAME, T, ONAME, O, 3)                           \
+    KVQ_DEQUANT(TNAME, T, ONAME, O, 4) KVQ_DEQUANT(TNAME, T, ONAME, O, 5)                           \
+    KVQ_DEQUANT(TNAME, T, ONAME, O, 6) KVQ_DEQUANT(TNAME, T, ONAME, O, 8)
 
-KVQ_ALL_BITS(f32, float)
-KVQ_ALL_BITS(f16, __half)
-KVQ_ALL_BITS(bf16, __nv_bfloat16)
+// Each type into its own parameters (MLX), and f32 rows into half parameters (a cache computing
+// in f32: kv::format::scale_dtype_for); dequantize into the parameters' type, or half into f32.
+KVQ_QUANT_ALL(f32, float, f32, float)
+KVQ_QUANT_ALL(f16, __half, f16, __half)
+KVQ_QUANT_ALL(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+KVQ_QUANT_ALL(f32, float, f16, __half)
+KVQ_QUANT_ALL(f32, float, bf16, __nv_bfloat16)
+KVQ_DEQUANT_ALL(f32, float, f32, float)
+KVQ_DEQUANT_ALL(f16, __half, f16, __half)
+KVQ_DEQUANT_ALL(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+KVQ_DEQUANT_ALL(f16, __half, f32, float)
+KVQ_DEQUANT_ALL(bf16, __nv_bfloat16, f32, float)
 // Rotated writes: f32 input into every pool type, and f16 / bf16 input into a pool of its type.
 KVQ_ROT_ALL(f32, float, f32, float)
 KVQ_ROT_ALL(f32, float, f16, __half)

@@ -40,9 +40,10 @@ fn eight_bit_cache_keeps_the_dense_greedy_tokens() {
     );
 }
 
-/// 4-bit g64 with f32 scales on this model: 64 dims × 4 bits = 32 B of codes + 4 B scale + 4 B
-/// bias per head → 40 B; 3 KV heads, K and V, 30 layers → 7200 B per token.
-const Q4_F32_BYTES_PER_TOKEN: u64 = 30 * 2 * 3 * 40;
+/// 4-bit g64 computing in f32 (f16 scales) on this model: 64 dims × 4 bits = 32 B of codes + 2 B
+/// scale + 2 B bias per head → 36 B (4.5 bits per value); 3 KV heads, K and V, 30 layers → 6480 B
+/// per token.
+const Q4_BYTES_PER_TOKEN: u64 = 30 * 2 * 3 * 36;
 
 #[test]
 fn reported_bytes_follow_the_format_formula() {
@@ -61,14 +62,14 @@ fn reported_bytes_follow_the_format_formula() {
     let stats = &v["stats"];
     assert_eq!(
         stats["kv_bytes_per_token"].as_u64().unwrap(),
-        Q4_F32_BYTES_PER_TOKEN
+        Q4_BYTES_PER_TOKEN
     );
     let tokens = (v["prompt_tokens"].as_array().unwrap().len()
         + v["tokens"].as_array().unwrap().len()
         - 1) as u64; // the last token is never fed back
     let bytes = stats["kv_bytes"].as_u64().unwrap();
-    let formula = tokens * Q4_F32_BYTES_PER_TOKEN;
-    let block = 16 * Q4_F32_BYTES_PER_TOKEN; // one partial block per sequence (all layers)
+    let formula = tokens * Q4_BYTES_PER_TOKEN;
+    let block = 16 * Q4_BYTES_PER_TOKEN; // one partial block per sequence (all layers)
     assert!(
         bytes >= formula && bytes < formula + block,
         "{bytes} vs formula {formula}"

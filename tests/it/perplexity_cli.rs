@@ -73,6 +73,10 @@ fn divergence_orders_settings_and_is_zero_against_itself() {
         );
     }
     assert!(f(&s[2]["kv_bytes_per_token"]) < f(&s[0]["kv_bytes_per_token"]));
+    // Bits actually stored per value, scales included: f16 scales and biases per 64 values even
+    // though the run computes in f32.
+    let bits: Vec<f64> = s.iter().map(|r| f(&r["bits_per_value"])).collect();
+    assert_eq!(bits, [32.0, 32.0, 8.5, 4.5, 4.5]);
 }
 
 /// Chunk boundaries must not matter: the cache holds the same rows whether a window arrives in

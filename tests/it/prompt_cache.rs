@@ -217,7 +217,7 @@ fn other_formats_weights_and_damaged_files_are_refused() {
     // Another KV format.
     let e = use_(&q4, &["--kv-bits", "8"]);
     assert!(
-        e.contains("layer 0 is rotated 4-bit/g64 with f32 scales") && e.contains("8-bit/g64"),
+        e.contains("layer 0 is rotated 4-bit/g64 with f16 scales") && e.contains("8-bit/g64"),
         "{e}"
     );
     // Same width, other scheme: rotated rows are not affine rows.

@@ -213,7 +213,8 @@ impl KvOptions {
         Ok(out)
     }
 
-    /// The cache these options ask for, for a model of `shape` computing in `dtype`, with its
+    /// The cache these options ask for, for a model of `shape` computing in `dtype` (dense and
+    /// staging pools in `dtype`, affine scales and biases in [`scale_dtype_for`] it), with its
     /// pools sized by `sizing`. Allocates nothing.
     pub fn cache_config(
         &self,
@@ -413,6 +414,41 @@ impl CacheConfig {
         if let Some(st) = self.staging.as_mut() {
             let staged = st.tokens.min(most);
             st.num_blocks = max_batch.saturating_mul(staged.div_ceil(bs) + 1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantized_caches_store_16_bit_scales_whatever_the_compute_dtype() {
+        let shape = ModelShape {
+            num_layers: 2,
+            num_kv_heads: 3,
+            head_dim: 64,
+            layer_windows: Vec::new(),
+            max_positions: 4096,
+        };
+        let opts = KvOptions {
+            bits: Some(4),
+            ..KvOptions::default()
+        };
+        let sizing = PoolSizing::Window {
+            tokens: 2048,
+            chunk: 512,
+        };
+        for (dtype, scales) in [
+            (DType::F32, DType::F16),
+            (DType::F16, DType::F16),
+            (DType::BF16, DType::BF16),
+        ] {
+            let cfg = opts.cache_config(shape.clone(), dtype, sizing).unwrap();
+            assert!(cfg.formats.iter().all(|f| f.value_dtype() == scales));
+            // Per head row: 64 × 4 bits = 32 B of codes + a 2-byte scale and bias (4.5 bits
+            // per value); 3 KV heads, K and V, 2 layers.
+            assert_eq!(cfg.bytes_per_token(), 2 * 2 * 3 * 36, "{dtype:?}");
         }
     }
 }

@@ -332,6 +332,15 @@ impl PromptCacheFile {
             )));
         }
         for (l, (have, want)) in self.meta.formats.iter().zip(want).enumerate() {
+            if have != want && have.with_scale_dtype(DType::F16) == *want {
+                return Err(self.mismatch(format!(
+                    "was saved by an earlier kvq, which stored the scales and biases of a \
+                     quantized cache computing in f32 as f32 (layer {l} is {}); this one stores \
+                     them as f16 (half a bit per value less), and the codes differ: save it \
+                     again with --save-prompt-cache",
+                    format_name(have)
+                )));
+            }
             if have != want {
                 return Err(self.mismatch(format!(
                     "stores the KV cache in another format: layer {l} is {}, this run keeps it \

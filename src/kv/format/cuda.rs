@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor};
+use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor, WithDType};
 use half::{bf16, f16};
 
 use crate::device::kernels::{aligned, dtype_suffix, kernel, Module};
@@ -53,9 +53,11 @@ fn as_cuda(s: &Storage) -> Result<&CudaStorage> {
 /// The device and the freshly written codes, scales and biases of one quantize launch.
 type Outputs<T> = (CudaDevice, CudaSlice<u32>, CudaSlice<T>, CudaSlice<T>);
 
-pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantized> {
+/// Quantizes `x` (contiguous; of `sdt`, or f32) with parameters of `sdt`
+/// (`quantize_<x>_<s>_b<bits>`).
+pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize, sdt: DType) -> Result<Quantized> {
     let x = aligned(x)?;
-    fn run<T: CudaDType + DeviceRepr>(
+    fn run<X: CudaDType + DeviceRepr + WithDType, T: CudaDType + DeviceRepr + WithDType>(
         x: &Tensor,
         fmt: QuantFormat,
         d: usize,
@@ -63,13 +65,18 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
         let (st, o1, o2) = cuda_parts(x)?;
         let cs = as_cuda(&st)?;
         let dev = cs.device.clone();
-        let xs = cs.as_cuda_slice::<T>()?.slice(o1..o2);
+        let xs = cs.as_cuda_slice::<X>()?.slice(o1..o2);
         let n = o2 - o1;
         let rows = n / d;
         let codes = unsafe { dev.alloc::<u32>(rows * fmt.words_per_row(d))? };
         let scales = unsafe { dev.alloc::<T>(rows * fmt.groups_per_row(d))? };
         let biases = unsafe { dev.alloc::<T>(rows * fmt.groups_per_row(d))? };
-        let name = format!("quantize_{}_b{}", dtype_name(x.dtype())?, fmt.bits());
+        let name = format!(
+            "quantize_{}_{}_b{}",
+            dtype_name(X::DTYPE)?,
+            dtype_name(T::DTYPE)?,
+            fmt.bits()
+        );
         let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
         let mut b = f.builder();
@@ -85,8 +92,8 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
     }
     let (words, groups) = (fmt.words_per_row(d), fmt.groups_per_row(d));
     macro_rules! done {
-        ($t:ty) => {{
-            let (dev, c, s, b) = run::<$t>(&x, fmt, d)?;
+        ($x:ty, $t:ty) => {{
+            let (dev, c, s, b) = run::<$x, $t>(&x, fmt, d)?;
             Quantized {
                 codes: wrap(
                     Storage::Cuda(CudaStorage::wrap_cuda_slice(c, dev.clone())),
@@ -103,11 +110,13 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
             }
         }};
     }
-    Ok(match x.dtype() {
-        DType::F32 => done!(f32),
-        DType::F16 => done!(f16),
-        DType::BF16 => done!(bf16),
-        other => {
+    Ok(match (x.dtype(), sdt) {
+        (DType::F32, DType::F32) => done!(f32, f32),
+        (DType::F32, DType::F16) => done!(f32, f16),
+        (DType::F32, DType::BF16) => done!(f32, bf16),
+        (DType::F16, DType::F16) => done!(f16, f16),
+        (DType::BF16, DType::BF16) => done!(bf16, bf16),
+        (other, _) => {
             return Err(QuantError::DType {
                 op: "quantize",
                 dtype: other,
@@ -117,8 +126,8 @@ pub(super) fn quantize(x: &Tensor, fmt: QuantFormat, d: usize) -> Result<Quantiz
     })
 }
 
-/// Quantizes `x [n, d]` (the pool's dtype, contiguous) into rows `rows` (u32 `[n]`, on the
-/// device) of `dst` in place: one launch, the pool's buffers written by the kernel (as
+/// Quantizes `x [n, d]` (the pool's dtype or f32, contiguous) into rows `rows` (u32 `[n]`, on
+/// the device) of `dst` in place: one launch, the pool's buffers written by the kernel (as
 /// `slice_set` writes them through its storage). The caller has checked shapes and bounds.
 pub(super) fn quantize_into_rows(
     x: &Tensor,
@@ -128,7 +137,7 @@ pub(super) fn quantize_into_rows(
 ) -> Result<()> {
     let x = aligned(x)?;
     let (d, n) = (x.dim(1)?, x.elem_count());
-    fn run<T: CudaDType + DeviceRepr>(
+    fn run<X: CudaDType + DeviceRepr + WithDType, T: CudaDType + DeviceRepr + WithDType>(
         x: &Tensor,
         fmt: QuantFormat,
         dst: &Quantized,
@@ -139,7 +148,7 @@ pub(super) fn quantize_into_rows(
         let (st, o1, o2) = cuda_parts(x)?;
         let cs = as_cuda(&st)?;
         let dev = cs.device.clone();
-        let xs = cs.as_cuda_slice::<T>()?.slice(o1..o2);
+        let xs = cs.as_cuda_slice::<X>()?.slice(o1..o2);
         let (cst, cl) = dst.codes.storage_and_layout();
         let (sst, sl) = dst.scales.storage_and_layout();
         let (bst, bl) = dst.biases.storage_and_layout();
@@ -160,7 +169,12 @@ pub(super) fn quantize_into_rows(
         let biases = as_cuda(&bst)?.as_cuda_slice::<T>()?;
         let (rst, r1, r2) = cuda_parts(rows)?;
         let rows_dev = as_cuda(&rst)?.as_cuda_slice::<u32>()?.slice(r1..r2);
-        let name = format!("quantize_rows_{}_b{}", dtype_name(x.dtype())?, fmt.bits());
+        let name = format!(
+            "quantize_rows_{}_{}_b{}",
+            dtype_name(X::DTYPE)?,
+            dtype_name(T::DTYPE)?,
+            fmt.bits()
+        );
         let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);
         let mut b = f.builder();
@@ -175,11 +189,13 @@ pub(super) fn quantize_into_rows(
         unsafe { b.launch(launch_cfg(n / 8, QUANT_UNROLL)) }.w()?;
         Ok(())
     }
-    match x.dtype() {
-        DType::F32 => run::<f32>(&x, fmt, dst, rows, d, n),
-        DType::F16 => run::<f16>(&x, fmt, dst, rows, d, n),
-        DType::BF16 => run::<bf16>(&x, fmt, dst, rows, d, n),
-        other => Err(QuantError::DType {
+    match (x.dtype(), dst.scales.dtype()) {
+        (DType::F32, DType::F32) => run::<f32, f32>(&x, fmt, dst, rows, d, n),
+        (DType::F32, DType::F16) => run::<f32, f16>(&x, fmt, dst, rows, d, n),
+        (DType::F32, DType::BF16) => run::<f32, bf16>(&x, fmt, dst, rows, d, n),
+        (DType::F16, DType::F16) => run::<f16, f16>(&x, fmt, dst, rows, d, n),
+        (DType::BF16, DType::BF16) => run::<bf16, bf16>(&x, fmt, dst, rows, d, n),
+        (other, _) => Err(QuantError::DType {
             op: "quantize_into_rows",
             dtype: other,
         }
@@ -187,13 +203,14 @@ pub(super) fn quantize_into_rows(
     }
 }
 
-pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Tensor> {
+/// Dequantizes into `out`: the scales' dtype, or f32 (`dequantize_<s>_<o>_b<bits>`).
+pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize, out: DType) -> Result<Tensor> {
     let (codes, scales, biases) = (
         q.codes.contiguous()?,
         q.scales.contiguous()?,
         q.biases.contiguous()?,
     );
-    fn run<T: CudaDType + DeviceRepr>(
+    fn run<T: CudaDType + DeviceRepr + WithDType, O: CudaDType + DeviceRepr + WithDType>(
         codes: &Tensor,
         scales: &Tensor,
         biases: &Tensor,
@@ -208,8 +225,13 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
         let sv = as_cuda(&sst)?.as_cuda_slice::<T>()?.slice(s1..s2);
         let bv = as_cuda(&bst)?.as_cuda_slice::<T>()?.slice(b1..b2);
         let n = (s2 - s1) * fmt.group_size();
-        let out = unsafe { dev.alloc::<T>(n)? };
-        let name = format!("dequantize_{}_b{}", dtype_name(scales.dtype())?, fmt.bits());
+        let out = unsafe { dev.alloc::<O>(n)? };
+        let name = format!(
+            "dequantize_{}_{}_b{}",
+            dtype_name(T::DTYPE)?,
+            dtype_name(O::DTYPE)?,
+            fmt.bits()
+        );
         let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group) = ((n / 8) as u64, fmt.group_size() as i32);
         let mut b = f.builder();
@@ -222,11 +244,14 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize) -> Result<Te
         unsafe { b.launch(launch_cfg(n / 8, 1)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-    let storage = match scales.dtype() {
-        DType::F32 => run::<f32>(&codes, &scales, &biases, fmt)?,
-        DType::F16 => run::<f16>(&codes, &scales, &biases, fmt)?,
-        DType::BF16 => run::<bf16>(&codes, &scales, &biases, fmt)?,
-        other => {
+    let (c, s, b) = (&codes, &scales, &biases);
+    let storage = match (scales.dtype(), out) {
+        (DType::F32, DType::F32) => run::<f32, f32>(c, s, b, fmt)?,
+        (DType::F16, DType::F16) => run::<f16, f16>(c, s, b, fmt)?,
+        (DType::BF16, DType::BF16) => run::<bf16, bf16>(c, s, b, fmt)?,
+        (DType::F16, DType::F32) => run::<f16, f32>(c, s, b, fmt)?,
+        (DType::BF16, DType::F32) => run::<bf16, f32>(c, s, b, fmt)?,
+        (other, _) => {
             return Err(QuantError::DType {
                 op: "dequantize",
                 dtype: other,

@@ -109,6 +109,24 @@ impl KvFormat {
         }
     }
 
+    /// This format with its affine scales and biases in `dtype` (a dense format unchanged).
+    pub fn with_scale_dtype(self, dtype: DType) -> Self {
+        match self {
+            KvFormat::Affine {
+                key,
+                value,
+                rotated,
+                ..
+            } => KvFormat::Affine {
+                key,
+                value,
+                scale_dtype: dtype,
+                rotated,
+            },
+            dense => dense,
+        }
+    }
+
     /// One format for K and V.
     pub fn affine(fmt: QuantFormat, scale_dtype: DType, rotated: bool) -> Self {
         KvFormat::Affine {

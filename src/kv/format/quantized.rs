@@ -11,7 +11,7 @@ use super::{QuantError, QuantFormat};
 pub struct Quantized {
     /// u32 `[..., D*bits/32]`.
     pub codes: Tensor,
-    /// `[..., D/g]`, the dtype of the quantized input.
+    /// `[..., D/g]`: the quantized input's dtype, or the one `quantize_as` was given.
     pub scales: Tensor,
     /// `[..., D/g]`, same dtype as `scales`.
     pub biases: Tensor,

@@ -110,14 +110,17 @@ struct Choice {
 
 /// Quantized pools with one width for K and V and head_dim 64 or 128 take the warp-independent
 /// kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT otherwise (decode_q_*).
-/// KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT scores for every width (A/B
-/// and tests).
+/// That kernel reads the queries in the pool's scale type, so f32 queries over half scales (a
+/// cache computing in f32, `kv::format::scale_dtype_for`) take the block-wide kernel, which
+/// reads them in f32. KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT scores
+/// for every width (A/B and tests).
 fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
     let d = dims.head_dim;
     let choice = decode_override();
     let warp = match kv {
-        LayerKv::Affine { kfmt, vfmt, .. } => {
+        LayerKv::Affine { kfmt, vfmt, k, .. } => {
             kfmt == vfmt
+                && !(q.dtype() == DType::F32 && k.scales.dtype() != DType::F32)
                 && matches!(d, 64 | 128)
                 // (slot, KV head) rows are 32-bit indices in that kernel
                 && dims

@@ -152,6 +152,21 @@ fn refuses_other_models_formats_and_damaged_files() {
         "{e}"
     );
 
+    // Saved by a kvq that kept f32 scales when computing in f32: refused with the reason.
+    let q4h = q4().with_scale_dtype(DType::F16);
+    let e = f
+        .check_formats(&[q4h, q4h], " (hint)")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&path.display().to_string())
+            && e.contains("earlier kvq")
+            && e.contains("affine 4-bit/g32 with f32 scales")
+            && e.contains("--save-prompt-cache")
+            && !e.contains("hint"),
+        "{e}"
+    );
+
     // Cut short, or not a prompt cache at all: refused on open with the file's name.
     let bytes = std::fs::read(&path).unwrap();
     let cut = dir.path().join("cut.safetensors");

@@ -48,3 +48,10 @@ template <typename T> __device__ __forceinline__ void load8(const T* p, float* v
         for (int k = 0; k < 8; k++) v[k] = to_f(h[k]);
     }
 }
+
+// The 16 bytes of r as 16 / sizeof(T) values of T, widened to f32.
+template <typename T> __device__ __forceinline__ void unpack16(const uint4& r, float* v) {
+    const T* h = reinterpret_cast<const T*>(&r);
+#pragma unroll
+    for (int k = 0; k < 16 / (int)sizeof(T); k++) v[k] = to_f(h[k]);
+}

@@ -9,7 +9,8 @@
 //   2. online softmax: one warp per head updates max / sum and turns scores into weights;
 //   3. V: D/8 threads per row, each owning 8 values for all heads, accumulate p·v; quantized:
 //      Σ (p·scale)·code + Σ p·bias. Codes are converted with the 2^23 float trick (no I2F).
-// Each block writes (max, sum, weighted V) for its split; decode_merge combines the splits.
+// Each block writes (max, sum, weighted V) for its split; decode_merge combines the splits
+// (dense pools: the last block of a head chunk does, in the same launch).
 // A sequence with start >= len, len beyond its table or a block id outside the pool gets NaN.
 // Quantized pools of one width at head_dim 64 or 128 take the warp-independent kernel instead
 // (decode_q_*, decode_qm_*; its design: decode/warp_shape.cuh), which merges the splits itself.
@@ -34,17 +35,22 @@ KVQ_MERGE(f32, float)
 KVQ_MERGE(f16, __half)
 KVQ_MERGE(bf16, __nv_bfloat16)
 
-// Dense pools: decode_<pool type>_dense_q<query type>, queries scaled in the kernel.
-#define KVQ_DENSE_Q(TNAME, T, QNAME, QT)                                                             \
-    extern "C" __global__ void __launch_bounds__(NT, 4) decode_##TNAME##_dense_q##QNAME(            \
+// Dense pools: decode_<pool type>_dense_q<query type>_m<MG>, queries scaled in the kernel, up
+// to MG query heads per block; the last block of a head chunk merges the splits into `out`.
+#define KVQ_DENSE_QM(TNAME, T, QNAME, QT, MG)                                                       \
+    extern "C" __global__ void __launch_bounds__(NT, 4) decode_##TNAME##_dense_q##QNAME##_m##MG(    \
         const QT* q, float scale, const T* kd, const T* vd, const uint32_t* tables,                  \
         const uint32_t* starts, const uint32_t* lens, int max_blocks, int num_blocks,                \
-        int block_size, int kvh, int G, int D, int split_len, float* part_acc, float* part_ml) {    \
+        int block_size, int kvh, int G, int D, int split_len, float* part_acc, float* part_ml,      \
+        QT* out, unsigned* counters, int nsplit) {                                                   \
         pdl_start();                                                                                \
-        decode_impl<T, 0, QT>(q, scale, kd, vd, nullptr, nullptr, nullptr, nullptr, nullptr,        \
-                              nullptr, tables, starts, lens, max_blocks, num_blocks, block_size,    \
-                              kvh, G, D, 32, split_len, part_acc, part_ml);                         \
+        decode_impl<T, 0, QT, MG>(q, scale, kd, vd, nullptr, nullptr, nullptr, nullptr, nullptr,    \
+                                  nullptr, tables, starts, lens, max_blocks, num_blocks,            \
+                                  block_size, kvh, G, D, 32, split_len, part_acc, part_ml, out,     \
+                                  counters, nsplit);                                                \
     }
+#define KVQ_DENSE_Q(TNAME, T, QNAME, QT)                                                             \
+    KVQ_DENSE_QM(TNAME, T, QNAME, QT, 4) KVQ_DENSE_QM(TNAME, T, QNAME, QT, 8)
 #define KVQ_DENSE(TNAME, T)                                                                          \
     KVQ_DENSE_Q(TNAME, T, f32, float) KVQ_DENSE_Q(TNAME, T, f16, __half)                            \
     KVQ_DENSE_Q(TNAME, T, bf16, __nv_bfloat16)
@@ -56,10 +62,9 @@ KVQ_MERGE(bf16, __nv_bfloat16)
         const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G, int D, \
         int group, int split_len, float* part_acc, float* part_ml) {                                \
         pdl_start();                                                                                \
-        decode_impl<T, B, float>(q, 1.f, nullptr, nullptr, kc, ks, kb, vc, vs, vb, tables, starts,  \
-                                 lens,                                                              \
-                          max_blocks, num_blocks, block_size, kvh, G, D, group, split_len,          \
-                          part_acc, part_ml);                                                       \
+        decode_impl<T, B, float, MAXG>(q, 1.f, nullptr, nullptr, kc, ks, kb, vc, vs, vb, tables,    \
+                                       starts, lens, max_blocks, num_blocks, block_size, kvh, G, D, \
+                                       group, split_len, part_acc, part_ml, nullptr, nullptr, 0);   \
     }
 
 #define KVQ_ALL(TNAME, T)                                                                            \

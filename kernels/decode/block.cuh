@@ -1,11 +1,14 @@
-// kvq: the block-wide decode kernel (decode_<t>_dense_q<qt>, decode_<t>_b<bits>): dense pools,
-// and the quantized pools the warp-independent kernel does not take. How it works: the top of
-// kernels/decode.cu. Its steps are the functions below, in the order one tile runs them.
+// kvq: the block-wide decode kernel (decode_<t>_dense_q<qt>_m<MG>, decode_<t>_b<bits>): dense
+// pools, and the quantized pools the warp-independent kernel does not take. How it works: the top
+// of kernels/decode.cu. Its steps are the functions below, in the order one tile runs them.
 #pragma once
 #include "codes.cuh"
+#include "merge.cuh"
 
 #define NT 128
 #define TILE 128
+// Query heads per block: MG = 4 when a KV head has at most 4 (its accumulators leave registers
+// for more dense loads in flight), else MAXG.
 #define MAXG 8
 
 // Where one position's K and V sit: row r of the pool holds every KV head, head kh the words
@@ -17,7 +20,7 @@ struct RowStrides {
 // 1. Scores of position t0 + tid for the chunk's gn query heads (q in q_s, pre-scaled; per
 // 32-code chunk sums in qsum_s) into p_s, its pool slot into slot_s; a block id outside the
 // pool marks the block bad.
-template <typename T, int B>
+template <typename T, int B, int MG>
 __device__ __forceinline__ void block_scores(
     const T* __restrict__ kd, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
     const T* __restrict__ kb, const uint32_t* __restrict__ tables, int b, int kh, int kvh, int D,
@@ -32,30 +35,38 @@ __device__ __forceinline__ void block_scores(
     if (blk >= (uint32_t)num_blocks) bad_s = 1;
     else slot = (size_t)blk * block_size + p % block_size;
     slot_s[tid] = (int)slot;
-    float s[MAXG];
+    float s[MG];
 #pragma unroll
-    for (int j = 0; j < MAXG; j++) s[j] = 0.f;
+    for (int j = 0; j < MG; j++) s[j] = 0.f;
     if (B == 0) {
-        // KU chunks of 8 values in flight per round trip (more costs registers: 4 blocks per SM).
-        constexpr int KU = 2;
-        const T* row = kd + slot * kvh * D + (size_t)kh * D;
-        for (int c0 = 0; c0 < D; c0 += 8 * KU) {
-            float v[KU][8];
+        // LU 16-byte loads of the row in flight per round trip (all of a 64-dim f16 row at
+        // MG = 4; more at MAXG costs registers: 4 blocks per SM).
+        constexpr int CH = 16 / (int)sizeof(T);  // values per load
+        constexpr int LU = MG <= 4 ? 8 : 2;
+        const uint4* row = reinterpret_cast<const uint4*>(kd + slot * kvh * D + (size_t)kh * D);
+        const int nl = D / CH;
+        for (int l0 = 0; l0 < nl; l0 += LU) {
+            uint4 r[LU];
 #pragma unroll
-            for (int u = 0; u < KU; u++)
-                if (c0 + 8 * u < D) load8(row + c0 + 8 * u, v[u]);
+            for (int u = 0; u < LU; u++)
+                if (l0 + u < nl) r[u] = row[l0 + u];
 #pragma unroll
-            for (int u = 0; u < KU; u++) {
-                const int c = c0 + 8 * u;
-                if (c >= D) break;
+            for (int u = 0; u < LU; u++) {
+                if (l0 + u >= nl) break;
+                float v[CH];
+                unpack16<T>(r[u], v);
+                const int c = (l0 + u) * CH;
 #pragma unroll
-                for (int j = 0; j < MAXG; j++) {
+                for (int j = 0; j < MG; j++) {
                     if (j < gn) {
                         // q is the same for every thread: broadcast 16-byte loads.
                         const float4* qj = reinterpret_cast<const float4*>(q_s + j * D + c);
-                        const float4 a = qj[0], e = qj[1];
-                        s[j] += a.x * v[u][0] + a.y * v[u][1] + a.z * v[u][2] + a.w * v[u][3] +
-                                e.x * v[u][4] + e.y * v[u][5] + e.z * v[u][6] + e.w * v[u][7];
+#pragma unroll
+                        for (int h = 0; h < CH / 4; h++) {
+                            const float4 a = qj[h];
+                            s[j] += a.x * v[4 * h] + a.y * v[4 * h + 1] + a.z * v[4 * h + 2] +
+                                    a.w * v[4 * h + 3];
+                        }
                     }
                 }
             }
@@ -78,15 +89,15 @@ __device__ __forceinline__ void block_scores(
             }
             const int gi = c * 32 / group;
             const float sc = to_f(sc_row[gi]), bi = to_f(bi_row[gi]);
-            float d[MAXG];
+            float d[MG];
 #pragma unroll
-            for (int j = 0; j < MAXG; j++) d[j] = 0.f;
+            for (int j = 0; j < MG; j++) d[j] = 0.f;
 #pragma unroll
             for (int k = 0; k < 32; k += 4) {
                 const float c0 = code_at<B>(w, k), c1 = code_at<B>(w, k + 1);
                 const float c2 = code_at<B>(w, k + 2), c3 = code_at<B>(w, k + 3);
 #pragma unroll
-                for (int j = 0; j < MAXG; j++) {
+                for (int j = 0; j < MG; j++) {
                     if (j < gn) {
                         const float4 a = *reinterpret_cast<const float4*>(q_s + j * D + c * 32 + k);
                         d[j] += a.x * c0 + a.y * c1 + a.z * c2 + a.w * c3;
@@ -94,12 +105,12 @@ __device__ __forceinline__ void block_scores(
                 }
             }
 #pragma unroll
-            for (int j = 0; j < MAXG; j++)
+            for (int j = 0; j < MG; j++)
                 if (j < gn) s[j] += sc * d[j] + bi * qsum_s[j * nch + c];
         }
     }
 #pragma unroll
-    for (int j = 0; j < MAXG; j++)
+    for (int j = 0; j < MG; j++)
         if (j < gn) p_s[j * TILE + tid] = s[j];
 }
 
@@ -134,16 +145,16 @@ __device__ __forceinline__ void block_softmax(
 
 // 3. V of the tile's n positions, D/8 threads per row (row group rg of nrg, values c8·8..+8):
 // acc += p·v (dense), or acc += (p·scale)·code and accb += p·bias (quantized).
-template <typename T, int B>
+template <typename T, int B, int MG>
 __device__ __forceinline__ void block_values(
     const T* __restrict__ vd, const uint32_t* __restrict__ vc, const T* __restrict__ vs,
     const T* __restrict__ vb, int kh, int kvh, int D, int gn, int group, int n, int rg, int nrg,
     int c8, RowStrides rs, const float* p_s, const int* slot_s, const float* alpha_s,
-    float (&acc)[MAXG][8], float (&accb)[MAXG]) {
+    float (&acc)[MG][8], float (&accb)[MG]) {
     const size_t row_words = rs.row_words, head_words = rs.head_words;
     const size_t row_groups = rs.row_groups, head_groups = rs.head_groups;
 #pragma unroll
-    for (int j = 0; j < MAXG; j++) {
+    for (int j = 0; j < MG; j++) {
         if (j < gn) {
             const float a = alpha_s[j];
             accb[j] *= a;
@@ -153,7 +164,7 @@ __device__ __forceinline__ void block_values(
     }
     if constexpr (B == 0) {
         // VU rows in flight per round trip.
-        constexpr int VU = 2;
+        constexpr int VU = MG <= 4 ? 4 : 2;
         for (int t0 = rg; t0 < n; t0 += VU * nrg) {
             float v[VU][8];
 #pragma unroll
@@ -166,7 +177,7 @@ __device__ __forceinline__ void block_values(
                 const int t = t0 + u * nrg;
                 if (t >= n) break;
 #pragma unroll
-                for (int j = 0; j < MAXG; j++) {
+                for (int j = 0; j < MG; j++) {
                     if (j < gn) {
                         const float pj = p_s[j * TILE + t];
 #pragma unroll
@@ -187,7 +198,7 @@ __device__ __forceinline__ void block_values(
 #pragma unroll
             for (int k = 0; k < 8; k++) cf[k] = code_f((uint32_t)(win >> (k * B)) & ((1u << B) - 1));
 #pragma unroll
-            for (int j = 0; j < MAXG; j++) {
+            for (int j = 0; j < MG; j++) {
                 if (j < gn) {
                     const float pj = p_s[j * TILE + t], ps = pj * sc;
                     accb[j] += pj * bi;
@@ -199,19 +210,38 @@ __device__ __forceinline__ void block_values(
     }
 }
 
-// 4. The row groups' accumulators summed into red_s ([MAXG][D]), with a barrier after each.
+// 4. The row groups' accumulators (bias folded in) summed into red_s ([MG][D]). A row group
+// is tpr = D/8 threads; when tpr is a power of two up to 32 the groups of a warp are summed by
+// shuffles first, so there is one barrier per warp instead of one per group.
+template <int MG>
 __device__ __forceinline__ void block_sum_rows(
-    float (&acc)[MAXG][8], float (&accb)[MAXG], int rg, int nrg, int c8, int gn, int D,
-    float* red_s) {
-    for (int r = 0; r < nrg; r++) {
-        if (rg == r) {
+    float (&acc)[MG][8], float (&accb)[MG], int tid, int tpr, int rg, int nrg, int c8, int gn,
+    int D, float* red_s) {
 #pragma unroll
-            for (int j = 0; j < MAXG; j++) {
+    for (int j = 0; j < MG; j++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[j][k] += accb[j];
+    const bool shfl = tpr <= 32 && (tpr & (tpr - 1)) == 0;
+    const int lane = tid % 32, warp = tid / 32;
+    if (shfl) {
+        for (int o = tpr; o < 32; o <<= 1)
+#pragma unroll
+            for (int j = 0; j < MG; j++)
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[j][k] += __shfl_xor_sync(0xffffffffu, acc[j][k], o);
+    }
+    const int nsum = shfl ? NT / 32 : nrg;
+    const bool mine = shfl ? lane < tpr : rg < nrg;
+    const int who = shfl ? warp : rg;
+    for (int r = 0; r < nsum; r++) {
+        if (mine && who == r) {
+#pragma unroll
+            for (int j = 0; j < MG; j++) {
                 if (j < gn) {
 #pragma unroll
                     for (int k = 0; k < 8; k++) {
                         float* dst = red_s + j * D + c8 * 8 + k;
-                        *dst = (r == 0 ? 0.f : *dst) + acc[j][k] + accb[j];
+                        *dst = (r == 0 ? 0.f : *dst) + acc[j][k];
                     }
                 }
             }
@@ -220,29 +250,67 @@ __device__ __forceinline__ void block_sum_rows(
     }
 }
 
+// The last block of a (sequence, KV head, head chunk) to finish merges the `live` splits'
+// partials (live_splits) into `out` (no separate merge launch; the partials are still in L2) and leaves its counter at
+// 0 for the next call. Four outputs per thread and round (merge_splits).
+template <typename QT>
+__device__ __forceinline__ void block_merge_last(
+    int tid, int b, int kvh, int kh, int Bn, int H, int G, int j0, int gn, int D, int live,
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, QT* __restrict__ out,
+    unsigned* __restrict__ counters) {
+    __shared__ bool last_s;
+    __threadfence();
+    __syncthreads();
+    const size_t cidx = ((size_t)b * kvh + kh) * gridDim.z + blockIdx.z;
+    if (tid == 0) last_s = atomicAdd(&counters[cidx], 1u) == (unsigned)live - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    const size_t hb = (size_t)b * H + (size_t)kh * G + j0;
+    for (int i0 = 0; i0 < gn * D; i0 += 4 * NT) {
+        size_t hr[4];
+        int dd[4];
+        bool in[4];
+        float o[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int i = i0 + tid + k * NT;
+            in[k] = i < gn * D;
+            hr[k] = hb + i / D;
+            dd[k] = i % D;
+        }
+        merge_splits<4>(part_acc, part_ml, (size_t)Bn * H, D, live, hr, dd, in, o);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (in[k]) out[hr[k] * D + dd[k]] = from_f<QT>(o[k]);
+    }
+    if (tid == 0) counters[cidx] = 0;
+}
+
 // B == 0: dense rows kd / vd. Otherwise affine B-bit codes with per-group scales / biases.
 // q: the queries in their own type QT, multiplied by `scale` as they are loaded.
-template <typename T, int B, typename QT>
+template <typename T, int B, typename QT, int MG>
 __device__ __forceinline__ void decode_impl(
     const QT* __restrict__ q, float scale, const T* __restrict__ kd, const T* __restrict__ vd,
     const uint32_t* __restrict__ kc, const T* __restrict__ ks, const T* __restrict__ kb,
     const uint32_t* __restrict__ vc, const T* __restrict__ vs, const T* __restrict__ vb,
     const uint32_t* __restrict__ tables, const uint32_t* __restrict__ starts,
     const uint32_t* __restrict__ lens, int max_blocks, int num_blocks, int block_size, int kvh,
-    int G, int D, int group, int split_len, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    int G, int D, int group, int split_len, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    QT* __restrict__ out, unsigned* __restrict__ counters, int nsplit) {
     const int tid = threadIdx.x;
     const int b = blockIdx.x / kvh, kh = blockIdx.x % kvh;
     const int split = blockIdx.y, Bn = gridDim.x / kvh;
-    const int j0 = blockIdx.z * MAXG, gn = min(MAXG, G - j0);
+    const int j0 = blockIdx.z * MG, gn = min(MG, G - j0);
     const int H = kvh * G, nch = D / 32;
 
     extern __shared__ float smem[];
-    float* q_s = smem;                       // [MAXG][D]
-    float* qsum_s = q_s + MAXG * D;          // [MAXG][D/32]
-    float* p_s = qsum_s + MAXG * nch;        // [MAXG][TILE]
-    int* slot_s = reinterpret_cast<int*>(p_s + MAXG * TILE);  // [TILE]
-    float* red_s = reinterpret_cast<float*>(slot_s + TILE);   // [MAXG][D]
-    __shared__ float m_s[MAXG], l_s[MAXG], alpha_s[MAXG];
+    float* q_s = smem;                       // [MG][D]
+    float* qsum_s = q_s + MG * D;          // [MG][D/32]
+    float* p_s = qsum_s + MG * nch;        // [MG][TILE]
+    int* slot_s = reinterpret_cast<int*>(p_s + MG * TILE);  // [TILE]
+    float* red_s = reinterpret_cast<float*>(slot_s + TILE);   // [MG][D]
+    __shared__ float m_s[MG], l_s[MG], alpha_s[MG];
     __shared__ int bad_s;
 
     const uint32_t start = starts[b], len = lens[b];
@@ -250,10 +318,15 @@ __device__ __forceinline__ void decode_impl(
                      (uint64_t)len > (uint64_t)max_blocks * (uint64_t)block_size;
     const long long p0 = (long long)start + (long long)split * split_len;
     const long long p1 = min((long long)len, p0 + split_len);
+    // With the merge in this launch, the splits past the sequence do nothing (without it, every
+    // split writes its partials for decode_merge).
+    const int live =
+        out != nullptr ? live_splits(bad, start, len, split_len, nsplit) : (int)gridDim.y;
+    if (split >= live) return;
 
     const QT* qb = q + ((size_t)b * H + (size_t)kh * G + j0) * D;
     for (int i = tid; i < gn * D; i += NT) q_s[i] = to_f(qb[i]) * scale;
-    if (tid < MAXG) { m_s[tid] = neg_inf(); l_s[tid] = 0.f; }
+    if (tid < MG) { m_s[tid] = neg_inf(); l_s[tid] = 0.f; }
     if (tid == 0) bad_s = bad;
     __syncthreads();
     if (B > 0) {
@@ -269,9 +342,9 @@ __device__ __forceinline__ void decode_impl(
     const int tpr = D / 8, nrg = NT / tpr, rg = tid / tpr, c8 = tid % tpr;
     const RowStrides rs = {(size_t)kvh * D * B / 32, (size_t)D * B / 32,
                            (size_t)kvh * (D / group), (size_t)(D / group)};
-    float acc[MAXG][8], accb[MAXG];
+    float acc[MG][8], accb[MG];
 #pragma unroll
-    for (int j = 0; j < MAXG; j++) {
+    for (int j = 0; j < MG; j++) {
         accb[j] = 0.f;
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[j][k] = 0.f;
@@ -282,19 +355,19 @@ __device__ __forceinline__ void decode_impl(
         for (long long t0 = p0; t0 < p1; t0 += TILE) {
             const int n = (int)min((long long)TILE, p1 - t0);
             if (tid < n)
-                block_scores<T, B>(kd, kc, ks, kb, tables, b, kh, kvh, D, nch, gn, group,
+                block_scores<T, B, MG>(kd, kc, ks, kb, tables, b, kh, kvh, D, nch, gn, group,
                                    max_blocks, num_blocks, block_size, t0, tid, rs, q_s, qsum_s,
                                    p_s, slot_s, bad_s);
             __syncthreads();
             block_softmax(tid, gn, n, p_s, m_s, l_s, alpha_s);
             __syncthreads();
             if (rg < nrg)
-                block_values<T, B>(vd, vc, vs, vb, kh, kvh, D, gn, group, n, rg, nrg, c8, rs, p_s,
+                block_values<T, B, MG>(vd, vc, vs, vb, kh, kvh, D, gn, group, n, rg, nrg, c8, rs, p_s,
                                    slot_s, alpha_s, acc, accb);
             __syncthreads();
         }
     }
-    block_sum_rows(acc, accb, rg, nrg, c8, gn, D, red_s);
+    block_sum_rows<MG>(acc, accb, tid, tpr, rg, nrg, c8, gn, D, red_s);
     // This split's (max, sum, weighted V) of each head; NaN for a bad sequence or block id.
     const bool failed = bad_s != 0;
     const float nan = __int_as_float(0x7fc00000);
@@ -304,4 +377,7 @@ __device__ __forceinline__ void decode_impl(
         part_ml[(base + tid) * 2] = failed ? nan : m_s[tid];
         part_ml[(base + tid) * 2 + 1] = failed ? nan : l_s[tid];
     }
+    if (out != nullptr)
+        block_merge_last<QT>(tid, b, kvh, kh, Bn, H, G, j0, gn, D, live, part_acc, part_ml, out,
+                             counters);
 }

@@ -2,6 +2,17 @@
 #pragma once
 #include "codes.cuh"
 
+// The splits that hold positions of a sequence [start, len): the first ⌈(len − start) /
+// split_len⌉ of nsplit (the host plans splits from the table's capacity, which may be far
+// longer); 1 for a bad sequence, whose split 0 carries the NaN. Kernels that merge their own
+// splits skip the others entirely, and their merge reads only these.
+__device__ __forceinline__ int live_splits(bool bad, uint32_t start, uint32_t len, int split_len,
+                                           int nsplit) {
+    if (bad) return 1;
+    const long long n = ((long long)len - (long long)start + split_len - 1) / split_len;
+    return (int)min((long long)nsplit, max(1LL, n));
+}
+
 // Merges the position splits of IT outputs: output k is value dd[k] of head row hr[k], whose
 // splits sit at rows s·BH + hr[k] of part_ml ([.., 2]: max, sum) and part_acc ([.., D]).
 // Splits are read SC at a time for all IT outputs at once (one round trip to L2 per SC splits:

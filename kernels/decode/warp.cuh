@@ -39,7 +39,7 @@ __device__ __forceinline__ void warp_combine(
     }
 }
 
-// The last block of this (sequence, KV head, head chunk) to finish merges every split's
+// The last block of this (sequence, KV head, head chunk) to finish merges the live splits'
 // partials into the output (no separate merge launch; the partials are still in L2), rotated
 // back for the rotated scheme, and leaves the counter at 0 for the next call.
 template <typename T, int D, typename Wacc>
@@ -105,8 +105,7 @@ __device__ __forceinline__ void qdecode_impl(
     const int gq = lane >> 2, tq = lane & 3;  // mma fragment coordinates
     const int b = blockIdx.x / kvh, kh = blockIdx.x % kvh;
     const int split = blockIdx.y, Bn = gridDim.x / kvh;
-    const int j0 = blockIdx.z * QG, gn = min(QG, G - j0);
-    const int H = kvh * G;
+    const int j0 = blockIdx.z * QG, gn = min(QG, G - j0), H = kvh * G;
 
     // q and the warps' V totals: static (SIMT), or in the staging memory (tensor cores: q before
     // the first tile, each warp's totals in its own stages after its last).
@@ -119,8 +118,7 @@ __device__ __forceinline__ void qdecode_impl(
                                                  : wacc_st + w * QG * D);
     };
     static_assert(!MMA || 2 * STG >= QG * D * 4, "a warp's stages hold its V totals");
-    __shared__ float qsum_s[QG][NCH];
-    __shared__ float wm_s[QW][QG], wl_s[QW][QG];
+    __shared__ float qsum_s[QG][NCH], wm_s[QW][QG], wl_s[QW][QG];
     __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][4];  // q fragments: a0/a2, hi/lo
     __shared__ unsigned qmax_s;
     __shared__ int bad_s;
@@ -130,6 +128,8 @@ __device__ __forceinline__ void qdecode_impl(
                          (uint64_t)len > (uint64_t)max_blocks * (uint64_t)block_size;
     const uint32_t p0 = start + (uint32_t)split * (uint32_t)split_len;
     const uint32_t p1 = (uint32_t)min((long long)len, (long long)p0 + split_len);
+    const int live = live_splits(bad_seq, start, len, split_len, nsplit);
+    if (split >= live) return;
     const float qexp = warp_load_q<T, B, D, GS>(q, scale, signs, rotated, b, H, kh, G, j0, gn,
                                                 bad_seq, q_s, qsum_s, qa_s, qmax_s, bad_s);
 
@@ -234,6 +234,6 @@ __device__ __forceinline__ void qdecode_impl(
     warp_combine<D>(tid, split, Bn, b, H, kh, G, j0, gn, bad_s, wm_s, wl_s, wacc, part_acc,
                     part_ml);
     __shared__ bool last_s;
-    warp_merge_last<T, D>(tid, b, kvh, kh, Bn, H, G, j0, gn, nsplit, rotated, signs, wacc,
+    warp_merge_last<T, D>(tid, b, kvh, kh, Bn, H, G, j0, gn, live, rotated, signs, wacc,
                           part_acc, part_ml, out, counters, last_s);
 }

@@ -1,79 +1,24 @@
 //! Launches the fused decode kernels of `kernels/decode.cu`: the split kernel over
-//! (sequence × KV head, position split, query-head chunk), then `decode_merge`.
+//! (sequence × KV head, position split, query-head chunk), then, for the block-wide quantized
+//! kernels, `decode_merge` (the dense and warp kernels merge their splits themselves).
+
+mod plan;
 
 use super::Dims;
-use crate::device::kernels::{
-    aligned, decode_override, dtype_suffix, kernel, view, Kernel, Module,
-};
+use crate::device::kernels::{aligned, dtype_suffix, kernel, view, Kernel, Module};
 use crate::kv::format::rotation::Rotation;
 use crate::kv::format::{LayerKv, QuantFormat, Quantized};
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
-use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
+use plan::{
+    choose, plan, resident_blocks, sm_count, DENSE_GRANULE, MAX_HEAD_DIM, TARGET_BLOCKS, THREADS,
+    TILE,
+};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
-
-/// Must match NT, TILE and MAXG in kernels/decode/block.cuh.
-const THREADS: u32 = 128;
-const TILE: usize = 128;
-const MAXG: usize = 8;
-/// Blocks to aim for: about four waves on an H100's 132 SMs.
-const TARGET_BLOCKS: usize = 512;
-/// Query heads per block of the warp-independent quantized kernel (QG in
-/// kernels/decode/warp_shape.cuh).
-const QG: usize = 4;
-/// Largest head_dim the shared-memory layout is sized for (stays under 48 KiB).
-const MAX_HEAD_DIM: usize = 512;
-/// Warps per block of the warp kernels (QW in kernels/decode/warp_shape.cuh).
-const QW: usize = 4;
-
-/// Dynamic shared memory of a tensor-core kernel: per warp two staged tiles of 32 rows, each row
-/// its K and V codes and its K and V scales and biases (STG in kernels/decode/warp_shape.cuh).
-fn stage_bytes(head_dim: usize, bits: usize, group: usize, scale_bytes: usize) -> usize {
-    let codes = head_dim * bits / 8;
-    let scales = head_dim / group * scale_bytes;
-    QW * 2 * 32 * (2 * codes + 4 * scales)
-}
-
-/// Streaming multiprocessors of the device (asked once; every GPU of a host is alike here).
-fn sm_count(dev: &CudaDevice) -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        dev.cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_or(132, |n| n.max(1) as usize)
-    })
-}
-
-/// Blocks of a warp kernel resident per SM (registers and shared memory decide; asked once per
-/// kernel and device, which is also allowed `smem` bytes of dynamic shared memory then): its grid
-/// aims at one full wave.
-fn resident_blocks(f: &CudaFunction, name: &str, smem: usize) -> Result<usize> {
-    static N: std::sync::OnceLock<Mutex<HashMap<String, usize>>> = std::sync::OnceLock::new();
-    let mut m = N
-        .get_or_init(Default::default)
-        .lock()
-        .expect("poisoned occupancy cache");
-    if let Some(&n) = m.get(name) {
-        return Ok(n);
-    }
-    if smem > 0 {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
-    }
-    let n = f
-        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
-        .w()? as usize;
-    m.insert(name.to_string(), n.max(1));
-    Ok(n.max(1))
-}
 
 fn err(msg: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(format!("decode_attention (cuda): {}", msg.into()))
@@ -81,91 +26,6 @@ fn err(msg: impl Into<String>) -> candle_core::Error {
 
 fn dtype_name(d: DType) -> Result<&'static str> {
     dtype_suffix(d).ok_or_else(|| err(format!("unsupported cache dtype {d:?}")))
-}
-
-/// Splits per (sequence, KV head) and positions per split, from the table's capacity (the
-/// lengths stay on the device). `one_wave`: at most `target` blocks (the device's resident
-/// capacity), so no second, mostly idle wave; else about `target`.
-fn plan(dims: &Dims, head_chunks: usize, target: usize, one_wave: bool) -> (usize, usize) {
-    let cap = dims.max_blocks * dims.block_size;
-    let per_split_blocks = (dims.batch * dims.kv_heads * head_chunks).max(1);
-    let want = if one_wave {
-        target / per_split_blocks
-    } else {
-        target.div_ceil(per_split_blocks)
-    };
-    let max_splits = cap.div_ceil(TILE).max(1);
-    let nsplit = want.clamp(1, max_splits);
-    let split_len = cap.div_ceil(nsplit).div_ceil(TILE) * TILE;
-    (cap.div_ceil(split_len).max(1), split_len)
-}
-
-/// The kernel a layer's decode takes: its name, whether it is a warp-independent kernel and its
-/// dynamic shared memory (the staging of the tensor-core kernels; 0 for the others).
-struct Choice {
-    name: String,
-    warp: bool,
-    smem: usize,
-}
-
-/// Quantized pools with one width for K and V and head_dim 64 or 128 take the warp-independent
-/// kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT otherwise (decode_q_*).
-/// That kernel reads the queries in the pool's scale type, so f32 queries over half scales (a
-/// cache computing in f32, `kv::format::scale_dtype_for`) take the block-wide kernel, which
-/// reads them in f32. KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT scores
-/// for every width (A/B and tests).
-fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
-    let d = dims.head_dim;
-    let choice = decode_override();
-    let warp = match kv {
-        LayerKv::Affine { kfmt, vfmt, k, .. } => {
-            kfmt == vfmt
-                && !(q.dtype() == DType::F32 && k.scales.dtype() != DType::F32)
-                && matches!(d, 64 | 128)
-                // (slot, KV head) rows are 32-bit indices in that kernel
-                && dims
-                    .num_blocks
-                    .saturating_mul(dims.block_size)
-                    .saturating_mul(dims.kv_heads)
-                    < u32::MAX as usize
-                && choice != "v1"
-        }
-        LayerKv::Dense { .. } => false,
-    };
-    let mma = match kv {
-        LayerKv::Affine { kfmt, .. } => {
-            warp && matches!(kfmt.bits(), 4 | 8) && kfmt.group_size() <= d && choice != "v2"
-        }
-        LayerKv::Dense { .. } => false,
-    };
-    let name = match kv {
-        LayerKv::Dense { k, .. } => format!(
-            "decode_{}_dense_q{}",
-            dtype_name(k.dtype())?,
-            dtype_name(q.dtype())?
-        ),
-        LayerKv::Affine { kfmt: fmt, k, .. } => {
-            let t = dtype_name(k.scales.dtype())?;
-            let (bits, g) = (fmt.bits(), fmt.group_size());
-            if mma {
-                format!("decode_qm_{t}_b{bits}_d{d}_g{g}")
-            } else if warp {
-                format!("decode_q_{t}_b{bits}_d{d}")
-            } else {
-                format!("decode_{t}_b{bits}")
-            }
-        }
-    };
-    let smem = match kv {
-        LayerKv::Affine { kfmt, k, .. } if mma => stage_bytes(
-            d,
-            kfmt.bits() as usize,
-            kfmt.group_size(),
-            k.scales.dtype().size_in_bytes(),
-        ),
-        _ => 0,
-    };
-    Ok(Choice { name, warp, smem })
 }
 
 /// The queries as the chosen kernel reads them: the warp kernel in the pool's element type (it
@@ -207,7 +67,16 @@ struct Launch<'a> {
     part_ml: &'a CudaSlice<f32>,
 }
 
-/// The dense kernel over pools `k`, `v` with queries `qs` (in their own element type).
+/// Where a kernel that merges its own splits puts them: `counters` slots of finished blocks
+/// (one per sequence, KV head and head chunk), an output of `out_len` values, `nsplit` splits.
+struct Merged {
+    counters: usize,
+    out_len: usize,
+    nsplit: usize,
+}
+
+/// The dense kernel over pools `k`, `v` with queries `qs` (in their own element type); returns
+/// its merged output, in the queries' type.
 fn launch_dense(
     a: &Launch,
     qs: &Storage,
@@ -215,14 +84,23 @@ fn launch_dense(
     q_dtype: DType,
     k: &Tensor,
     v: &Tensor,
-) -> Result<()> {
+    m: Merged,
+) -> Result<CudaStorage> {
+    let dev = a.dev;
     let (k, v) = (aligned(k)?, aligned(v)?);
     let (kst, kl) = k.storage_and_layout();
     let (vst, vl) = v.storage_and_layout();
+    let ns = i32::try_from(m.nsplit).map_err(|_| err("too many splits"))?;
     macro_rules! launch {
         ($t:ty, $qt:ty) => {{
             let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
             let qv = view::<$qt>(qs, ql)?;
+            // The in-kernel merge's counters, locked until the launch is queued.
+            let guard = counters(dev, m.counters)?;
+            let c = guard
+                .get(&dev.id())
+                .ok_or_else(|| err("no merge counters for the device"))?;
+            let out: CudaSlice<$qt> = unsafe { dev.alloc::<$qt>(m.out_len)? };
             let mut b = a.f.pdl_builder();
             b.arg(&qv)
                 .arg(&a.scale)
@@ -235,7 +113,9 @@ fn launch_dense(
                 b.arg(i);
             }
             b.arg(&a.split_len).arg(a.part_acc).arg(a.part_ml);
+            b.arg(&out).arg(c).arg(&ns);
             unsafe { b.launch(a.cfg) }?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};
     }
     macro_rules! by_query {
@@ -247,22 +127,18 @@ fn launch_dense(
             }
         };
     }
-    match k.dtype() {
+    Ok(match k.dtype() {
         DType::F32 => by_query!(f32),
         DType::F16 => by_query!(f16),
         _ => by_query!(bf16),
-    }
-    Ok(())
+    })
 }
 
-/// What the warp kernel takes beyond the block-wide one: it merges the splits itself (the last
-/// block per head chunk, counted in `counters` slots) into an output of `out_len` values, and
-/// rotates q in and the output back (`rot`).
+/// What the warp kernel takes beyond the block-wide one: it merges the splits itself
+/// (`merged`) and rotates q in and the output back (`rot`).
 struct WarpArgs<'a> {
     rot: Option<&'a Rotation>,
-    counters: usize,
-    out_len: usize,
-    nsplit: usize,
+    merged: Merged,
 }
 
 /// An affine kernel over the quantized pools `k`, `v` with queries `qs`: the block-wide kernel
@@ -322,7 +198,7 @@ fn launch_affine(
             let vb = view::<$t>(&sl6[5].0, sl6[5].1)?;
             // The in-kernel merge's counters, locked until the launch is queued.
             let guard = match &warp {
-                Some(w) => Some(counters(dev, w.counters)?),
+                Some(w) => Some(counters(dev, w.merged.counters)?),
                 None => None,
             };
             let mut b = a.f.pdl_builder();
@@ -353,8 +229,8 @@ fn launch_affine(
                 .arg(a.part_ml);
             if let (Some(w), Some(guard)) = (&warp, &guard) {
                 // The kernel merges the splits itself (last block per head chunk).
-                let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(w.out_len)? };
-                let ns = w.nsplit as i32;
+                let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(w.merged.out_len)? };
+                let ns = w.merged.nsplit as i32;
                 let c = guard
                     .get(&dev.id())
                     .ok_or_else(|| err("no merge counters for the device"))?;
@@ -398,14 +274,17 @@ pub(super) fn decode(
     let warp_kernel = choice.warp;
     let cdev = q.device().as_cuda_device()?;
     let f = kernel(cdev, Module::Decode, &choice.name)?;
-    let (chunk, target) = if warp_kernel {
+    let dense = matches!(kv, LayerKv::Dense { .. });
+    let target = if warp_kernel {
         let key = format!("{}@{:?}", choice.name, cdev.id());
-        (QG, resident_blocks(&f, &key, choice.smem)? * sm_count(cdev))
+        resident_blocks(&f, &key, choice.smem)? * sm_count(cdev)
     } else {
-        (MAXG, TARGET_BLOCKS)
+        TARGET_BLOCKS
     };
+    let chunk = choice.chunk;
     let head_chunks = dims.group.div_ceil(chunk);
-    let (nsplit, split_len) = plan(dims, head_chunks, target, warp_kernel);
+    let granule = if dense { DENSE_GRANULE } else { TILE };
+    let (nsplit, split_len) = plan(dims, head_chunks, target, warp_kernel, granule);
     // The warp kernel rotates q in its prologue and the merge rotates the output back; the
     // block-wide kernel gets q rotated here and its output rotated back below.
     let fused_rot = rot.filter(|_| warp_kernel);
@@ -437,7 +316,7 @@ pub(super) fn decode(
     let smem = if warp_kernel {
         choice.smem // staging of the tensor-core kernels; the rest is static
     } else {
-        4 * (MAXG * d + MAXG * (d / 32) + MAXG * TILE + TILE + MAXG * d)
+        4 * (chunk * d + chunk * (d / 32) + chunk * TILE + TILE + chunk * d)
     };
     let launch = Launch {
         f: &f,
@@ -467,19 +346,26 @@ pub(super) fn decode(
         part_acc: &part_acc,
         part_ml: &part_ml,
     };
+    let counters_n = dims.batch * dims.kv_heads * head_chunks;
     let fused = match kv {
         LayerKv::Dense { k, v } => {
-            launch_dense(&launch, &qs, ql, qf.dtype(), k, v)?;
-            None
+            let merged = Merged {
+                counters: counters_n,
+                out_len: bh * d,
+                nsplit,
+            };
+            Some(launch_dense(&launch, &qs, ql, qf.dtype(), k, v, merged)?)
         }
         LayerKv::Affine {
             kfmt: fmt, k, v, ..
         } => {
             let warp = warp_kernel.then_some(WarpArgs {
                 rot: fused_rot,
-                counters: dims.batch * dims.kv_heads * head_chunks,
-                out_len: bh * d,
-                nsplit,
+                merged: Merged {
+                    counters: counters_n,
+                    out_len: bh * d,
+                    nsplit,
+                },
             });
             launch_affine(&launch, &qs, ql, fmt, k, v, warp)?
         }

@@ -1,0 +1,192 @@
+//! Which decode kernel a layer takes and how its positions split into blocks: the kernel's name
+//! and sizes (`choose`), the split plan (`plan`), the device facts they need.
+
+use super::super::Dims;
+use super::dtype_name;
+use crate::device::kernels::decode_override;
+use crate::kv::format::LayerKv;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::CudaFunction;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Result, Tensor};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Must match NT, TILE and MAXG in kernels/decode/block.cuh.
+pub(super) const THREADS: u32 = 128;
+pub(super) const TILE: usize = 128;
+pub(super) const MAXG: usize = 8;
+/// Query heads per block of the dense kernel where a KV head has at most this many (its `_m4`
+/// instances; `_m8` otherwise).
+pub(super) const DENSE_MG: usize = 4;
+/// Positions per split of the dense kernel are a multiple of this: one sequence of a few hundred
+/// positions still fills several blocks per KV head (H100, 512 x 1: 64 → 935 tok/s, 128 → 917-931,
+/// 32 → 896).
+pub(super) const DENSE_GRANULE: usize = 64;
+/// Blocks to aim for: about four waves on an H100's 132 SMs.
+pub(super) const TARGET_BLOCKS: usize = 512;
+/// Query heads per block of the warp-independent quantized kernel (QG in
+/// kernels/decode/warp_shape.cuh).
+pub(super) const QG: usize = 4;
+/// Largest head_dim the shared-memory layout is sized for (stays under 48 KiB).
+pub(super) const MAX_HEAD_DIM: usize = 512;
+/// Warps per block of the warp kernels (QW in kernels/decode/warp_shape.cuh).
+pub(super) const QW: usize = 4;
+
+/// Dynamic shared memory of a tensor-core kernel: per warp two staged tiles of 32 rows, each row
+/// its K and V codes and its K and V scales and biases (STG in kernels/decode/warp_shape.cuh).
+pub(super) fn stage_bytes(head_dim: usize, bits: usize, group: usize, scale_bytes: usize) -> usize {
+    let codes = head_dim * bits / 8;
+    let scales = head_dim / group * scale_bytes;
+    QW * 2 * 32 * (2 * codes + 4 * scales)
+}
+
+/// Streaming multiprocessors of the device (asked once; every GPU of a host is alike here).
+pub(super) fn sm_count(dev: &CudaDevice) -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    })
+}
+
+/// Blocks of a warp kernel resident per SM (registers and shared memory decide; asked once per
+/// kernel and device, which is also allowed `smem` bytes of dynamic shared memory then): its grid
+/// aims at one full wave.
+pub(super) fn resident_blocks(f: &CudaFunction, name: &str, smem: usize) -> Result<usize> {
+    static N: std::sync::OnceLock<Mutex<HashMap<String, usize>>> = std::sync::OnceLock::new();
+    let mut m = N
+        .get_or_init(Default::default)
+        .lock()
+        .expect("poisoned occupancy cache");
+    if let Some(&n) = m.get(name) {
+        return Ok(n);
+    }
+    if smem > 0 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+    }
+    let n = f
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
+        .w()? as usize;
+    m.insert(name.to_string(), n.max(1));
+    Ok(n.max(1))
+}
+
+/// Splits per (sequence, KV head) and positions per split, from the table's capacity (the
+/// lengths stay on the device). `one_wave`: at most `target` blocks (the device's resident
+/// capacity), so no second, mostly idle wave; else about `target`.
+pub(super) fn plan(
+    dims: &Dims,
+    head_chunks: usize,
+    target: usize,
+    one_wave: bool,
+    granule: usize,
+) -> (usize, usize) {
+    let cap = dims.max_blocks * dims.block_size;
+    let per_split_blocks = (dims.batch * dims.kv_heads * head_chunks).max(1);
+    let want = if one_wave {
+        target / per_split_blocks
+    } else {
+        target.div_ceil(per_split_blocks)
+    };
+    let max_splits = cap.div_ceil(granule).max(1);
+    let nsplit = want.clamp(1, max_splits);
+    let split_len = cap.div_ceil(nsplit).div_ceil(granule) * granule;
+    (cap.div_ceil(split_len).max(1), split_len)
+}
+
+/// The kernel a layer's decode takes: its name, whether it is a warp-independent kernel and its
+/// dynamic shared memory (the staging of the tensor-core kernels; 0 for the others).
+pub(super) struct Choice {
+    pub(super) name: String,
+    pub(super) warp: bool,
+    pub(super) smem: usize,
+    /// Query heads per block.
+    pub(super) chunk: usize,
+}
+
+/// Quantized pools with one width for K and V and head_dim 64 or 128 take the warp-independent
+/// kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT otherwise (decode_q_*).
+/// That kernel reads the queries in the pool's scale type, so f32 queries over half scales (a
+/// cache computing in f32, `kv::format::scale_dtype_for`) take the block-wide kernel, which
+/// reads them in f32. KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT scores
+/// for every width (A/B and tests).
+pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
+    let d = dims.head_dim;
+    let choice = decode_override();
+    let warp = match kv {
+        LayerKv::Affine { kfmt, vfmt, k, .. } => {
+            kfmt == vfmt
+                && !(q.dtype() == DType::F32 && k.scales.dtype() != DType::F32)
+                && matches!(d, 64 | 128)
+                // (slot, KV head) rows are 32-bit indices in that kernel
+                && dims
+                    .num_blocks
+                    .saturating_mul(dims.block_size)
+                    .saturating_mul(dims.kv_heads)
+                    < u32::MAX as usize
+                && choice != "v1"
+        }
+        LayerKv::Dense { .. } => false,
+    };
+    let mma = match kv {
+        LayerKv::Affine { kfmt, .. } => {
+            warp && matches!(kfmt.bits(), 4 | 8) && kfmt.group_size() <= d && choice != "v2"
+        }
+        LayerKv::Dense { .. } => false,
+    };
+    let name = match kv {
+        LayerKv::Dense { k, .. } => format!(
+            "decode_{}_dense_q{}_m{}",
+            dtype_name(k.dtype())?,
+            dtype_name(q.dtype())?,
+            dense_chunk(dims)
+        ),
+        LayerKv::Affine { kfmt: fmt, k, .. } => {
+            let t = dtype_name(k.scales.dtype())?;
+            let (bits, g) = (fmt.bits(), fmt.group_size());
+            if mma {
+                format!("decode_qm_{t}_b{bits}_d{d}_g{g}")
+            } else if warp {
+                format!("decode_q_{t}_b{bits}_d{d}")
+            } else {
+                format!("decode_{t}_b{bits}")
+            }
+        }
+    };
+    let smem = match kv {
+        LayerKv::Affine { kfmt, k, .. } if mma => stage_bytes(
+            d,
+            kfmt.bits() as usize,
+            kfmt.group_size(),
+            k.scales.dtype().size_in_bytes(),
+        ),
+        _ => 0,
+    };
+    let chunk = match kv {
+        _ if warp => QG,
+        LayerKv::Dense { .. } => dense_chunk(dims),
+        LayerKv::Affine { .. } => MAXG,
+    };
+    Ok(Choice {
+        name,
+        warp,
+        smem,
+        chunk,
+    })
+}
+
+/// Query heads per block of the dense kernel (its `_m` suffix).
+pub(super) fn dense_chunk(dims: &Dims) -> usize {
+    if dims.group <= DENSE_MG {
+        DENSE_MG
+    } else {
+        MAXG
+    }
+}

@@ -258,14 +258,8 @@ __device__ __forceinline__ void block_merge_last(
     int tid, int b, int kvh, int kh, int Bn, int H, int G, int j0, int gn, int D, int live,
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, QT* __restrict__ out,
     unsigned* __restrict__ counters) {
-    __shared__ bool last_s;
-    __threadfence();
-    __syncthreads();
     const size_t cidx = ((size_t)b * kvh + kh) * gridDim.z + blockIdx.z;
-    if (tid == 0) last_s = atomicAdd(&counters[cidx], 1u) == (unsigned)live - 1;
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
+    if (!last_to_finish(counters, cidx, live)) return;
     const size_t hb = (size_t)b * H + (size_t)kh * G + j0;
     for (int i0 = 0; i0 < gn * D; i0 += 4 * NT) {
         size_t hr[4];

@@ -13,6 +13,20 @@ __device__ __forceinline__ int live_splits(bool bad, uint32_t start, uint32_t le
     return (int)min((long long)nsplit, max(1LL, n));
 }
 
+// Whether this block is the last of `live` to finish its (sequence, KV head, head chunk), counted
+// in counters[cidx]: its partials are written before it counts, and the last one sees everyone's.
+__device__ __forceinline__ bool last_to_finish(unsigned* __restrict__ counters, size_t cidx,
+                                               int live) {
+    __shared__ bool last_s;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_s = atomicAdd(&counters[cidx], 1u) == (unsigned)live - 1;
+    __syncthreads();
+    const bool last = last_s;
+    if (last) __threadfence();
+    return last;
+}
+
 // Merges the position splits of IT outputs: output k is value dd[k] of head row hr[k], whose
 // splits sit at rows s·BH + hr[k] of part_ml ([.., 2]: max, sum) and part_acc ([.., D]).
 // Splits are read SC at a time for all IT outputs at once (one round trip to L2 per SC splits:

@@ -46,15 +46,9 @@ template <typename T, int D, typename Wacc>
 __device__ __forceinline__ void warp_merge_last(
     int tid, int b, int kvh, int kh, int Bn, int H, int G, int j0, int gn, int nsplit, int rotated,
     const float* __restrict__ signs, Wacc wacc, const float* __restrict__ part_acc,
-    const float* __restrict__ part_ml, T* __restrict__ out, unsigned* __restrict__ counters,
-    bool& last_s) {
-    __threadfence();
-    __syncthreads();
+    const float* __restrict__ part_ml, T* __restrict__ out, unsigned* __restrict__ counters) {
     const size_t cidx = ((size_t)b * kvh + kh) * gridDim.z + blockIdx.z;
-    if (tid == 0) last_s = atomicAdd(&counters[cidx], 1u) == (unsigned)nsplit - 1;
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
+    if (!last_to_finish(counters, cidx, nsplit)) return;
     const size_t hstride = (size_t)Bn * H;  // one split's stride, in heads
     float* o_s = &wacc(0)[0][0];             // [QG][D]
     // Each thread owns IT (head, dim) outputs.
@@ -233,7 +227,6 @@ __device__ __forceinline__ void qdecode_impl(
     __syncthreads();
     warp_combine<D>(tid, split, Bn, b, H, kh, G, j0, gn, bad_s, wm_s, wl_s, wacc, part_acc,
                     part_ml);
-    __shared__ bool last_s;
     warp_merge_last<T, D>(tid, b, kvh, kh, Bn, H, G, j0, gn, live, rotated, signs, wacc,
-                          part_acc, part_ml, out, counters, last_s);
+                          part_acc, part_ml, out, counters);
 }

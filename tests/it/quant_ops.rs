@@ -23,6 +23,18 @@ fn same(a: &Tensor, b: &Tensor) -> bool {
     a.dims() == b.dims() && a.dtype() == b.dtype() && bits(a) == bits(b)
 }
 
+/// Largest |value| of `t`, read as f32.
+fn max_abs(t: &Tensor) -> f32 {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
 fn sample(shape: &[usize], dtype: DType, scale: f64) -> Tensor {
     let x = Tensor::randn(0f32, 1f32, shape, &Device::Cpu).unwrap();
     // Add a per-row offset so some groups are all-positive or all-negative.
@@ -61,32 +73,12 @@ fn fused_equals_generic_on_random_data() {
                     assert!(same(&fd, &rd), "deq {case}");
                     assert_eq!(fd.dims(), x.dims());
                     // Sanity bound: within one step (the snapped scale can leave the far end half a step short).
-                    let step = f
-                        .scales
-                        .to_dtype(DType::F32)
-                        .unwrap()
-                        .abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap();
-                    let step = step.to_scalar::<f32>().unwrap();
-                    let err = (fd.to_dtype(DType::F32).unwrap() - x.to_dtype(DType::F32).unwrap())
-                        .unwrap()
-                        .abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap()
-                        .to_scalar::<f32>()
-                        .unwrap();
-                    let amax = x
-                        .to_dtype(DType::F32)
-                        .unwrap()
-                        .abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap()
-                        .to_scalar::<f32>()
-                        .unwrap();
+                    let step = max_abs(&f.scales);
+                    let err = max_abs(
+                        &(fd.to_dtype(DType::F32).unwrap() - x.to_dtype(DType::F32).unwrap())
+                            .unwrap(),
+                    );
+                    let amax = max_abs(&x);
                     let eps = match dtype {
                         DType::BF16 => 1e-2,
                         DType::F16 => 2e-3,
@@ -160,23 +152,9 @@ fn f16_scales_are_the_f32_parameters_rounded() {
     assert!(same(&mlx, &format::dequantize(&half, fmt).unwrap()));
     // Codes of the rounded parameters: within a step of every value, as MLX's own (the snapped
     // scale can leave the far end half a step short), plus the parameters' rounding.
-    let err: f32 = (format::dequantize(&widened(&half), fmt).unwrap() - &x)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
-    let step: f32 = wide
-        .scales
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
-    let amax: f32 = x.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+    let err = max_abs(&(format::dequantize(&widened(&half), fmt).unwrap() - &x).unwrap());
+    let step = max_abs(&wide.scales);
+    let amax = max_abs(&x);
     assert!(err <= step * 1.01 + amax / 1024.0, "{err} vs step {step}");
     // The codes are those of the rounded parameters: every value the stored scale and bias map
     // inside [0, n] is within half a stored step of its code's value.

@@ -12,8 +12,9 @@
 // Each block writes (max, sum, weighted V) for its split; decode_merge combines the splits
 // (dense pools: the last block of a head chunk does, in the same launch).
 // A sequence with start >= len, len beyond its table or a block id outside the pool gets NaN.
-// Quantized pools of one width at head_dim 64 or 128 take the warp-independent kernel instead
-// (decode_q_*, decode_qm_*; its design: decode/warp_shape.cuh), which merges the splits itself.
+// Quantized pools of one width at head_dim 64 or 128, and dense f16 / bf16 pools at 64, take the
+// warp-independent kernel instead (decode_q_*, decode_qm_*; its design: decode/warp_shape.cuh),
+// which merges the splits itself.
 //
 // The parts, in kernels/decode/: codes.cuh (codes as floats, fast exp, the rotation), block.cuh
 // (the block-wide kernel above), warp_shape.cuh / warp_scores.cuh / warp_values.cuh / warp.cuh
@@ -113,6 +114,11 @@ KVQ_MERGE(bf16, __nv_bfloat16)
 KVQ_Q_ALL(f32, float)
 KVQ_Q_ALL(f16, __half)
 KVQ_Q_ALL(bf16, __nv_bfloat16)
+
+// Dense f16 / bf16 pools on the warp kernel's SIMT steps (16-bit "codes": the values
+// themselves, no scales): decode_q_<dtype>_b16_d64 (at head_dim 128 the block-wide dense kernel
+// measured faster; src/kv/attend/decode/cuda/plan.rs).
+KVQ_Q(f16, __half, 16, 64) KVQ_Q(bf16, __nv_bfloat16, 16, 64)
 
 KVQ_ALL(f32, float)
 KVQ_ALL(f16, __half)

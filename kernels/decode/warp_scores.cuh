@@ -112,6 +112,41 @@ __device__ __forceinline__ void warp_scores_simt(
     constexpr float TWO_B = S::TWO_B;
 #pragma unroll
     for (int j = 0; j < QG; j++) s[j] = neg_inf();
+    if constexpr (S::DENSE) {
+        if (!valid) return;
+        // A dense row: D values of T, in parts of up to 64 values whose loads are all issued
+        // before their first multiply-add.
+        constexpr int CH = D / 8 > 8 ? 8 : D / 8;
+        const uint4* row = reinterpret_cast<const uint4*>(kcb + (size_t)hrow * HB);
+#pragma unroll
+        for (int j = 0; j < QG; j++) s[j] = 0.f;
+#pragma unroll
+        for (int c0 = 0; c0 < D / 8; c0 += CH) {
+            uint4 raw[CH];
+#pragma unroll
+            for (int c = 0; c < CH; c++) raw[c] = row[c0 + c];
+#pragma unroll
+            for (int cc = 0; cc < CH; cc++) {
+                const int c = c0 + cc;
+                float x[8];
+                widen8(raw[cc], (const T*)nullptr, x);
+#pragma unroll
+                for (int j = 0; j < QG; j++) {
+                    const float4 a = *reinterpret_cast<const float4*>(&q_s[j][c * 8]);
+                    const float4 b = *reinterpret_cast<const float4*>(&q_s[j][c * 8 + 4]);
+                    s[j] = fmaf(a.x, x[0], s[j]);
+                    s[j] = fmaf(a.y, x[1], s[j]);
+                    s[j] = fmaf(a.z, x[2], s[j]);
+                    s[j] = fmaf(a.w, x[3], s[j]);
+                    s[j] = fmaf(b.x, x[4], s[j]);
+                    s[j] = fmaf(b.y, x[5], s[j]);
+                    s[j] = fmaf(b.z, x[6], s[j]);
+                    s[j] = fmaf(b.w, x[7], s[j]);
+                }
+            }
+        }
+        return;
+    }
     if (valid) {
         const unsigned char* row = kcb + (size_t)hrow * HB;
         uint32_t w[HB / 4 + 1];
@@ -295,6 +330,7 @@ __device__ __forceinline__ void warp_prefetch(
     constexpr int HB = QShape<T, B, D, GS>::HB;
     prefetch_span(kcb + (size_t)hrow_n * HB, HB);
     prefetch_span(vcb + (size_t)hrow_n * HB, HB);
+    if constexpr (QShape<T, B, D, GS>::DENSE) return;  // no scales
     const int gb = (int)(hg * sizeof(T));
     prefetch_span(ks + (size_t)hrow_n * hg, gb);
     prefetch_span(kb + (size_t)hrow_n * hg, gb);

@@ -1,4 +1,5 @@
-// kvq: the warp-independent decode kernel for quantized pools (decode_q_*, decode_qm_*): its
+// kvq: the warp-independent decode kernel for quantized pools (decode_q_*, decode_qm_*) and
+// dense f16 / bf16 pools (decode_q_*_b16_*, SIMT steps reading the values themselves): its
 // design, its tiling constants and the sizes derived from them. The kernel is in warp.cuh, its
 // steps in warp_scores.cuh and warp_values.cuh.
 #pragma once
@@ -36,6 +37,9 @@
 // GS (0: SIMT scores).
 template <typename T, int B, int D, int GS> struct QShape {
     static constexpr bool MMA = GS > 0;
+    // B = 16: a dense f16 / bf16 pool read by the SIMT steps (no codes, no scales).
+    static constexpr bool DENSE = B == 16;
+    static_assert(!DENSE || !MMA, "dense pools take the SIMT steps");
     static constexpr int HB = D * B / 8;  // code bytes of one head in one row
     static constexpr int VEC = (HB % 16 == 0) ? 16 : 8;  // SIMT K load width
     static constexpr int NCH = D / 32;  // 32-code chunks (B words each)

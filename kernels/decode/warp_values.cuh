@@ -131,6 +131,20 @@ for (int st = 0; st < 32 / RPS; st++) {
 #pragma unroll
         for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pm[nu][e], 4 * j + t);
     }
+    if constexpr (S::DENSE) {  // 8 values of T straight from the pool; masked rows add 0
+        const uint32_t sr = __shfl_sync(FULL, vrow, r);
+        const bool ok = sr != 0xffffffffu;
+        const uint4 raw = *reinterpret_cast<const uint4*>(vcb + (size_t)(ok ? sr : 0) * HB + c8 * 16);
+        float x[8];
+        widen8(raw, (const T*)nullptr, x);
+#pragma unroll
+        for (int k = 0; k < 8; k++) x[k] = ok ? x[k] : 0.f;
+#pragma unroll
+        for (int j = 0; j < QG; j++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[j][k] = fmaf(pr[j], x[k], acc[j][k]);
+        continue;
+    }
     bool ok;
     uint64_t win;
     float sc, bi;

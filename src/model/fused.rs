@@ -58,23 +58,32 @@ pub fn has_rope_qkv(x: &Tensor) -> bool {
     cfg!(feature = "cuda") && x.device().is_cuda()
 }
 
+/// Per-head RMSNorm weights of q and k (`[D]` each, Qwen3's `q_norm` / `k_norm`) and the
+/// norm's epsilon: applied to every q and k head before RoPE.
+#[derive(Clone, Copy)]
+pub struct QkNorm<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub eps: f32,
+}
+
 /// From the rows of a stacked q|k|v projection `qkv` `[T, (H + 2 KVH) * D]`: q `[T, H, D]` and
 /// k `[T, KVH * D]` rotated by RoPE at positions `pos` (u32 `[T]`) with the f32 tables
-/// `cos`, `sin` `[positions, D / 2]` (halves layout, candle's `rope_thd` arithmetic), and v
-/// `[T, KVH * D]`. CUDA only ([`has_rope_qkv`]).
+/// `cos`, `sin` `[positions, D / 2]` (halves layout, candle's `rope_thd` arithmetic), after
+/// `norm` (candle's `rms_norm` of each head) where given, and v `[T, KVH * D]`. CUDA only
+/// ([`has_rope_qkv`]).
 pub fn rope_qkv(
     qkv: &Tensor,
     pos: &Tensor,
     (cos, sin): (&Tensor, &Tensor),
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    norm: Option<QkNorm<'_>>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
-        return cuda::rope_qkv(qkv, pos, (cos, sin), heads, kv_heads, head_dim);
+        return cuda::rope_qkv(qkv, pos, (cos, sin), (heads, kv_heads, head_dim), norm);
     }
-    let _ = (qkv, pos, cos, sin, heads, kv_heads, head_dim);
+    let _ = (qkv, pos, cos, sin, heads, kv_heads, head_dim, norm);
     candle_core::bail!("rope_qkv has a CUDA kernel only")
 }
 
@@ -82,36 +91,25 @@ pub fn rope_qkv(
 /// into row `slots[i]` (u32 `[T]`, on the device) of `k_pool`, `v_pool` (`[slots, KVH * D]`, the
 /// projection's dtype); returns q. One launch instead of the rotation and two scatters. CUDA
 /// only ([`has_rope_qkv`]).
-#[allow(clippy::too_many_arguments)]
 pub fn rope_qkv_into(
     qkv: &Tensor,
     pos: &Tensor,
     tables: (&Tensor, &Tensor),
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    shape: (usize, usize, usize),
+    norm: Option<QkNorm<'_>>,
     (k_pool, v_pool, slots): (&Tensor, &Tensor, &Tensor),
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
-        return cuda::rope_qkv_into(
-            qkv,
-            pos,
-            tables,
-            heads,
-            kv_heads,
-            head_dim,
-            (k_pool, v_pool, slots),
-        );
+        return cuda::rope_qkv_into(qkv, pos, tables, shape, norm, (k_pool, v_pool, slots));
     }
-    let _ = (
-        qkv, pos, tables, heads, kv_heads, head_dim, k_pool, v_pool, slots,
-    );
+    let _ = (qkv, pos, tables, shape, norm, k_pool, v_pool, slots);
     candle_core::bail!("rope_qkv_into has a CUDA kernel only")
 }
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
+    use super::QkNorm;
     use crate::device::kernels::{cuda_device as device, dtype_suffix, kernel, view, wrap, Module};
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
@@ -268,11 +266,10 @@ pub(crate) mod cuda {
         qkv: &Tensor,
         pos: &Tensor,
         tables: (&Tensor, &Tensor),
-        heads: usize,
-        kv_heads: usize,
-        d: usize,
+        shape: (usize, usize, usize),
+        norm: Option<QkNorm<'_>>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (q, kv) = launch_rope(qkv, pos, tables, heads, kv_heads, d, KvOut::Fresh)?;
+        let (q, kv) = launch_rope(qkv, pos, tables, shape, norm, KvOut::Fresh)?;
         let (k, v) = kv.ok_or_else(|| err("rope_qkv: no k/v".into()))?;
         Ok((q, k, v))
     }
@@ -281,13 +278,33 @@ pub(crate) mod cuda {
         qkv: &Tensor,
         pos: &Tensor,
         tables: (&Tensor, &Tensor),
-        heads: usize,
-        kv_heads: usize,
-        d: usize,
+        shape: (usize, usize, usize),
+        norm: Option<QkNorm<'_>>,
         (k_pool, v_pool, slots): (&Tensor, &Tensor, &Tensor),
     ) -> Result<Tensor> {
         let out = KvOut::Pool(k_pool, v_pool, slots);
-        Ok(launch_rope(qkv, pos, tables, heads, kv_heads, d, out)?.0)
+        Ok(launch_rope(qkv, pos, tables, shape, norm, out)?.0)
+    }
+
+    /// The norm weights in the projection's dtype, `[d]` each, or `None`.
+    fn norm_weights(
+        norm: Option<QkNorm<'_>>,
+        dtype: DType,
+        d: usize,
+    ) -> Result<Option<(Tensor, Tensor, f32)>> {
+        let Some(n) = norm else { return Ok(None) };
+        let (q, k) = (
+            n.q.to_dtype(dtype)?.contiguous()?,
+            n.k.to_dtype(dtype)?.contiguous()?,
+        );
+        if q.dims() != [d] || k.dims() != [d] {
+            return Err(err(format!(
+                "rope_qkv: q/k norm weights {:?}, {:?} for heads of {d}",
+                q.dims(),
+                k.dims()
+            )));
+        }
+        Ok(Some((q, k, n.eps)))
     }
 
     #[allow(clippy::type_complexity)]
@@ -295,9 +312,8 @@ pub(crate) mod cuda {
         qkv: &Tensor,
         pos: &Tensor,
         (cos, sin): (&Tensor, &Tensor),
-        heads: usize,
-        kv_heads: usize,
-        d: usize,
+        (heads, kv_heads, d): (usize, usize, usize),
+        norm: Option<QkNorm<'_>>,
         out: KvOut<'_>,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let qkv = qkv.contiguous()?;
@@ -319,6 +335,11 @@ pub(crate) mod cuda {
                 return Err(err("rope_qkv_into: pools or slots do not fit".into()));
             }
         }
+        let norms = norm_weights(norm, qkv.dtype(), d)?;
+        let eps = norms.as_ref().map_or(0f32, |n| n.2);
+        let norm_sl = norms
+            .as_ref()
+            .map(|(q, k, _)| (q.storage_and_layout(), k.storage_and_layout()));
         let dev = device(&qkv)?;
         let f = kernel(&dev, Module::Fused, &name("rope_qkv", qkv.dtype())?)?;
         let ints = [
@@ -328,7 +349,7 @@ pub(crate) mod cuda {
         ];
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, (heads + 2 * kv_heads) as u32, 1),
-            block_dim: ((d / 2) as u32, 1, 1),
+            block_dim: ((d / 2).div_ceil(32) as u32 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (xs, xl) = qkv.storage_and_layout();
@@ -373,6 +394,15 @@ pub(crate) mod cuda {
                         b.arg(k).arg(v).arg(&0u64);
                     }
                 }
+                let nv = match &norm_sl {
+                    Some(((qs, ql), (ks, kl))) => Some((view::<$t>(qs, ql)?, view::<$t>(ks, kl)?)),
+                    None => None,
+                };
+                match &nv {
+                    Some((qv, kv)) => b.arg(qv).arg(kv),
+                    None => b.arg(&0u64).arg(&0u64),
+                };
+                b.arg(&eps);
                 for i in &ints {
                     b.arg(i);
                 }
@@ -396,5 +426,94 @@ pub(crate) mod cuda {
             DType::BF16 => launch!(bf16),
             dt => return Err(err(format!("unsupported dtype {dt:?}"))),
         })
+    }
+}
+
+/// The fused RoPE kernel against candle's composition (the CPU path's ops, run on the GPU):
+/// q/k norms per head where given, then `rope_thd`, for head sizes whose half is and is not a
+/// multiple of a warp.
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::{rope_qkv, QkNorm};
+    use candle_core::{DType, Device, Tensor};
+
+    fn max_err(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    #[test]
+    fn rope_qkv_with_and_without_qk_norms_matches_candle_ops() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        let (heads, kv_heads, rows, eps) = (6, 2, 5, 1e-6f32);
+        for d in [64, 96, 128] {
+            let inv: Vec<f32> = (0..d / 2)
+                .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+                .collect();
+            let angles: Vec<f32> = (0..512)
+                .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
+                .collect();
+            let ang = Tensor::from_vec(angles, (512, d / 2), &dev).unwrap();
+            let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
+            let pos = Tensor::from_vec(vec![0u32, 3, 77, 300, 511], rows, &dev).unwrap();
+            for (dtype, tol) in [(DType::F32, 1e-5), (DType::F16, 4e-3), (DType::BF16, 3e-2)] {
+                let width = (heads + 2 * kv_heads) * d;
+                let qkv = Tensor::randn(0f32, 2.0, (rows, width), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let qn = Tensor::randn(1f32, 0.3, d, &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let kn = Tensor::randn(1f32, 0.3, d, &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let cs = pos.to_dtype(DType::U32).unwrap();
+                let cos_r = cos.index_select(&cs, 0).unwrap().to_dtype(dtype).unwrap();
+                let sin_r = sin.index_select(&cs, 0).unwrap().to_dtype(dtype).unwrap();
+                for with_norm in [false, true] {
+                    let norm = with_norm.then_some(QkNorm {
+                        q: &qn,
+                        k: &kn,
+                        eps,
+                    });
+                    let (q, k, v) =
+                        rope_qkv(&qkv, &pos, (&cos, &sin), (heads, kv_heads, d), norm).unwrap();
+                    let part = |at: usize, n: usize| {
+                        qkv.narrow(1, at * d, n * d)
+                            .unwrap()
+                            .reshape((rows, n, d))
+                            .unwrap()
+                    };
+                    let (mut q0, mut k0) = (part(0, heads), part(heads, kv_heads));
+                    if with_norm {
+                        q0 = candle_nn::ops::rms_norm(&q0.contiguous().unwrap(), &qn, eps).unwrap();
+                        k0 = candle_nn::ops::rms_norm(&k0.contiguous().unwrap(), &kn, eps).unwrap();
+                    }
+                    let rope = |x: &Tensor| {
+                        let x = x.unsqueeze(0).unwrap().contiguous().unwrap();
+                        candle_nn::rotary_emb::rope_thd(&x, &cos_r, &sin_r).unwrap()
+                    };
+                    let what = format!("d {d} {dtype:?} norms {with_norm}");
+                    assert!(max_err(&q, &rope(&q0)) <= tol, "{what}: q");
+                    assert!(max_err(&k, &rope(&k0)) <= tol, "{what}: k");
+                    assert_eq!(
+                        max_err(&v, &part(heads + kv_heads, kv_heads)),
+                        0.0,
+                        "{what}: v"
+                    );
+                }
+            }
+        }
     }
 }

@@ -128,7 +128,8 @@ fn fused_rope_projection_matches_projection_then_rope() {
             let norm = Some((&nw, 1e-5f32));
             let (_, y) = project(&x, None, norm, &w, None, Epilogue::Store).unwrap();
             let (q0, k0, v0) =
-                crate::model::fused::rope_qkv(&y, &pos, (&cos, &sin), heads, kv_heads, d).unwrap();
+                crate::model::fused::rope_qkv(&y, &pos, (&cos, &sin), (heads, kv_heads, d), None)
+                    .unwrap();
             let rope = |pool| RopeOut {
                 pos: &pos,
                 cos: &cos,

@@ -97,7 +97,6 @@ impl Llama {
         let dense = |l: &Linear| l.dense_weight().is_some_and(gemv::weight_fits);
         let small = gemv::max_rows() > 0
             && w.dtype() != DType::F32
-            && !cfg.qk_norm
             && dense(&lm_head)
             && blocks.iter().all(|b| {
                 matches!(&b.qkv, QkvProj::Fused(l) if dense(l))

@@ -74,6 +74,14 @@ impl Block {
         }
         v
     }
+
+    /// The per-head q/k norms for the fused RoPE kernel (Qwen3), with epsilon `eps`.
+    fn qk_norm(&self, eps: f32) -> Option<fused::QkNorm<'_>> {
+        match (&self.q_norm, &self.k_norm) {
+            (Some(q), Some(k)) => Some(fused::QkNorm { q, k, eps }),
+            _ => None,
+        }
+    }
 }
 
 /// One sequence's new tokens in a forward pass.
@@ -308,7 +316,10 @@ impl Llama {
         cache: &PagedKvCache,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let fused_rope = fused::has_rope_qkv(ids)
-            && self.blocks.iter().all(|b| b.q_norm.is_none())
+            && self
+                .blocks
+                .iter()
+                .all(|b| b.q_norm.is_some() == b.k_norm.is_some())
             && self
                 .blocks
                 .iter()
@@ -366,6 +377,7 @@ impl Llama {
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (q_out, kv_out) = (nh * hd, nkv * hd);
+        let shape = (nh, nkv, hd);
         let eps = cfg.rms_norm_eps as f32;
         let (x, hs) = fused::add_rms_norm(x, mlp, &b.attn_norm, eps)?;
         let t = x.dim(0)?;
@@ -377,13 +389,15 @@ impl Llama {
             if let Some((kp, vp)) = s.cache.dense_layer(l, self.dtype) {
                 let y = qkv.forward(&hs)?;
                 let slots = slots.on(y.device())?;
-                let q = fused::rope_qkv_into(&y, s.pos, (cos, sin), nh, nkv, hd, (kp, vp, &slots))?;
+                let pools = (kp, vp, &slots);
+                let q = fused::rope_qkv_into(&y, s.pos, (cos, sin), shape, b.qk_norm(eps), pools)?;
                 return self.finish_block(l, b, &x, &q, s);
             }
         }
         let (q, k, v) = match (&b.qkv, s.rope) {
             (QkvProj::Fused(qkv), Rope::Tables(cos, sin)) => {
-                fused::rope_qkv(&qkv.forward(&hs)?, s.pos, (cos, sin), nh, nkv, hd)?
+                let y = qkv.forward(&hs)?;
+                fused::rope_qkv(&y, s.pos, (cos, sin), shape, b.qk_norm(eps))?
             }
             (QkvProj::Fused(qkv), Rope::Rows(cos, sin))
                 if b.q_norm.is_none() && fused_cpu::applies(&hs) =>

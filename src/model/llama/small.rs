@@ -5,6 +5,7 @@ use anyhow::{bail, Result};
 use candle_core::Tensor;
 
 use super::{Block, GateUpProj, Llama, QkvProj, Rope, Step, Writes};
+use crate::model::fused;
 use crate::model::gemv::{self, Epilogue};
 use crate::model::linear::Linear;
 
@@ -21,7 +22,8 @@ impl Llama {
 
     /// [`Llama::block`] for a step of a few rows on CUDA ([`Llama::small_step`]): four kernels
     /// besides attention's and a quantized cache's write (norm + q|k|v + RoPE + dense K/V
-    /// write; output projection + residual; norm + gate|up + gated unit; down + residual).
+    /// write; output projection + residual; norm + gate|up + gated unit; down + residual), five
+    /// with per-head q/k norms (Qwen3).
     /// Returns the residual stream after the layer.
     pub(super) fn block_small(
         &self,
@@ -64,7 +66,26 @@ impl Llama {
                 .map(|(((kp, vp), _), sl)| (kp, vp, sl)),
         };
         let norm = Some((&b.attn_norm, eps));
-        let (sum, q, kv) = gemv::project_rope(x, mlp, norm, &dense(qkv)?, qkv.bias(), rope)?;
+        let (sum, q, kv) = match b.qk_norm(eps) {
+            // Per-head q/k norms need a whole head's outputs: the projection, then the norms
+            // with RoPE and the K/V write as one more kernel.
+            Some(qk) => {
+                let (sum, y) =
+                    gemv::project(x, mlp, norm, &dense(qkv)?, qkv.bias(), Epilogue::Store)?;
+                let (shape, tables) = ((nh, nkv, hd), (cos, sin));
+                match rope.pool {
+                    Some(pools) => {
+                        let q = fused::rope_qkv_into(&y, s.pos, tables, shape, Some(qk), pools)?;
+                        (sum, q, None)
+                    }
+                    None => {
+                        let (q, k, v) = fused::rope_qkv(&y, s.pos, tables, shape, Some(qk))?;
+                        (sum, q, Some((k, v)))
+                    }
+                }
+            }
+            None => gemv::project_rope(x, mlp, norm, &dense(qkv)?, qkv.bias(), rope)?,
+        };
         let x = sum.unwrap_or_else(|| x.clone());
         if let Some((k, v)) = kv {
             match s.writes {

@@ -134,6 +134,61 @@ fn launch_dense(
     })
 }
 
+/// The warp kernel's SIMT steps over dense f16 / bf16 pools `k`, `v` (decode_q_*_b16_*): the
+/// pools stand where the codes go, no scales or biases, no rotation; queries in the pools'
+/// type. Returns its merged output.
+fn launch_dense_warp(
+    a: &Launch,
+    qs: &Storage,
+    ql: &Layout,
+    k: &Tensor,
+    v: &Tensor,
+    m: Merged,
+) -> Result<CudaStorage> {
+    let dev = a.dev;
+    let (k, v) = (aligned(k)?, aligned(v)?);
+    let (kst, kl) = k.storage_and_layout();
+    let (vst, vl) = v.storage_and_layout();
+    let ns = i32::try_from(m.nsplit).map_err(|_| err("too many splits"))?;
+    let (group, rotated, null) = (a.ints[5], 0i32, 0u64);
+    // The signs argument is unread without rotation: the lens buffer stands in.
+    let signs =
+        unsafe { a.lens.transmute::<f32>(a.lens.len()) }.ok_or_else(|| err("signs placeholder"))?;
+    macro_rules! launch {
+        ($t:ty) => {{
+            let (kv_, vv_, qv) = (
+                view::<$t>(&kst, kl)?,
+                view::<$t>(&vst, vl)?,
+                view::<$t>(qs, ql)?,
+            );
+            let guard = counters(dev, m.counters)?;
+            let c = guard
+                .get(&dev.id())
+                .ok_or_else(|| err("no merge counters for the device"))?;
+            let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(m.out_len)? };
+            let mut b = a.f.pdl_builder();
+            b.arg(&qv).arg(&a.scale).arg(&kv_).arg(&null).arg(&null);
+            b.arg(&vv_).arg(&null).arg(&null);
+            b.arg(a.tables).arg(a.starts).arg(a.lens);
+            for i in &a.ints[..5] {
+                b.arg(i);
+            }
+            b.arg(&group)
+                .arg(&a.split_len)
+                .arg(a.part_acc)
+                .arg(a.part_ml);
+            b.arg(&signs).arg(&rotated).arg(&out).arg(c).arg(&ns);
+            unsafe { b.launch(a.cfg) }?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    Ok(match k.dtype() {
+        DType::F16 => launch!(f16),
+        DType::BF16 => launch!(bf16),
+        d => return Err(err(format!("no warp kernel for dense {d:?} pools"))),
+    })
+}
+
 /// What the warp kernel takes beyond the block-wide one: it merges the splits itself
 /// (`merged`) and rotates q in and the output back (`rot`).
 struct WarpArgs<'a> {
@@ -283,7 +338,11 @@ pub(super) fn decode(
     };
     let chunk = choice.chunk;
     let head_chunks = dims.group.div_ceil(chunk);
-    let granule = if dense { DENSE_GRANULE } else { TILE };
+    let granule = if dense && !warp_kernel {
+        DENSE_GRANULE
+    } else {
+        TILE
+    };
     let (nsplit, split_len) = plan(dims, head_chunks, target, warp_kernel, granule);
     // The warp kernel rotates q in its prologue and the merge rotates the output back; the
     // block-wide kernel gets q rotated here and its output rotated back below.
@@ -348,6 +407,14 @@ pub(super) fn decode(
     };
     let counters_n = dims.batch * dims.kv_heads * head_chunks;
     let fused = match kv {
+        LayerKv::Dense { k, v } if warp_kernel => {
+            let merged = Merged {
+                counters: counters_n,
+                out_len: bh * d,
+                nsplit,
+            };
+            Some(launch_dense_warp(&launch, &qs, ql, k, v, merged)?)
+        }
         LayerKv::Dense { k, v } => {
             let merged = Merged {
                 counters: counters_n,

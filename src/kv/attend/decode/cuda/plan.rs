@@ -23,6 +23,8 @@ pub(super) const DENSE_MG: usize = 4;
 /// positions still fills several blocks per KV head (H100, 512 x 1: 64 → 935 tok/s, 128 → 917-931,
 /// 32 → 896).
 pub(super) const DENSE_GRANULE: usize = 64;
+/// The head_dim at which dense f16 / bf16 pools take the warp kernel (see [`choose`]).
+pub(super) const DENSE_WARP_HEAD_DIM: usize = 64;
 /// Blocks to aim for: about four waves on an H100's 132 SMs.
 pub(super) const TARGET_BLOCKS: usize = 512;
 /// Query heads per block of the warp-independent quantized kernel (QG in
@@ -112,7 +114,10 @@ pub(super) struct Choice {
 }
 
 /// Quantized pools with one width for K and V and head_dim 64 or 128 take the warp-independent
-/// kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT otherwise (decode_q_*).
+/// kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT otherwise (decode_q_*);
+/// so do dense f16 / bf16 pools at head_dim 64 (SIMT, decode_q_*_b16_*; H100, default model,
+/// f16: 512 × 1 1,193–1,199 against 927–929 tok/s, 4096 × 64 14.2K against 8.4K;
+/// KVQ_CUDA_DECODE=dense-block keeps them on the block-wide dense kernel for A/B).
 /// That kernel reads the queries in the pool's scale type, so f32 queries over half scales (a
 /// cache computing in f32, `kv::format::scale_dtype_for`) take the block-wide kernel, which
 /// reads them in f32. KVQ_CUDA_DECODE=v1 selects the block-wide kernel, =v2 the SIMT scores
@@ -125,15 +130,19 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
             kfmt == vfmt
                 && !(q.dtype() == DType::F32 && k.scales.dtype() != DType::F32)
                 && matches!(d, 64 | 128)
-                // (slot, KV head) rows are 32-bit indices in that kernel
-                && dims
-                    .num_blocks
-                    .saturating_mul(dims.block_size)
-                    .saturating_mul(dims.kv_heads)
-                    < u32::MAX as usize
+                && fits_u32_rows(dims)
                 && choice != "v1"
         }
-        LayerKv::Dense { .. } => false,
+        // Dense f16 / bf16 pools read with queries of their own type (the SIMT steps), at
+        // head_dim 64: at 128 the block-wide kernel measured faster (H100, seed-002 shape,
+        // 2 × 50K positions, 8 KV heads of 2 query heads: 222.8 against 197.9 tok/s).
+        LayerKv::Dense { k, .. } => {
+            matches!(k.dtype(), DType::F16 | DType::BF16)
+                && q.dtype() == k.dtype()
+                && d == DENSE_WARP_HEAD_DIM
+                && fits_u32_rows(dims)
+                && !matches!(choice, "v1" | "dense-block")
+        }
     };
     let mma = match kv {
         LayerKv::Affine { kfmt, .. } => {
@@ -142,6 +151,7 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         LayerKv::Dense { .. } => false,
     };
     let name = match kv {
+        LayerKv::Dense { k, .. } if warp => format!("decode_q_{}_b16_d{d}", dtype_name(k.dtype())?),
         LayerKv::Dense { k, .. } => format!(
             "decode_{}_dense_q{}_m{}",
             dtype_name(k.dtype())?,
@@ -180,6 +190,14 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         smem,
         chunk,
     })
+}
+
+/// Whether every (slot, KV head) row of the pool has a 32-bit index (the warp kernel's).
+fn fits_u32_rows(dims: &Dims) -> bool {
+    dims.num_blocks
+        .saturating_mul(dims.block_size)
+        .saturating_mul(dims.kv_heads)
+        < u32::MAX as usize
 }
 
 /// Query heads per block of the dense kernel (its `_m` suffix).

@@ -105,3 +105,77 @@ impl Llama {
         Ok(gemv::project(&act, None, None, &dense(down)?, down.bias(), add)?.1)
     }
 }
+
+/// The one-row fused path of a model with per-head q/k norms (Qwen3 shape, random f16 weights)
+/// against the op-by-op layer on the same GPU: same logits up to f16 rounding and the two paths'
+/// sum orders.
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::super::{Llama, LogitsFor, SeqInput};
+    use crate::kv::cache::{CacheConfig, PagedKvCache};
+    use crate::model::config::ModelConfig;
+    use crate::model::weights::Weights;
+    use candle_core::{DType, Device, Tensor};
+
+    fn logits(m: &Llama, dev: &Device, prompt: &[u32], steps: &[u32]) -> Vec<Tensor> {
+        let c = m.config();
+        let cfg = CacheConfig::dense(c.num_layers, c.num_kv_heads, c.head_dim, 16, 16, DType::F16);
+        let mut cache = PagedKvCache::new(cfg, dev).unwrap();
+        cache.add_sequence(0).unwrap();
+        cache.reserve(0, prompt.len()).unwrap();
+        let inp = [SeqInput {
+            seq: 0,
+            tokens: prompt.to_vec(),
+        }];
+        m.forward(&inp, &mut cache, LogitsFor::Last).unwrap();
+        let mut out = Vec::new();
+        for &t in steps {
+            cache.reserve(0, 1).unwrap();
+            let inp = [SeqInput {
+                seq: 0,
+                tokens: vec![t],
+            }];
+            out.push(m.forward(&inp, &mut cache, LogitsFor::Last).unwrap());
+        }
+        out
+    }
+
+    #[test]
+    fn one_row_steps_with_qk_norms_match_the_op_by_op_layer() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
+            "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 4096,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": true
+        }))
+        .unwrap();
+        assert!(cfg.qk_norm);
+        let mut w = Weights::dummy(&cfg, &dev, DType::F16, 7).unwrap();
+        let mut m = Llama::load(&cfg, &mut w).unwrap();
+        assert!(m.small, "a one-row step takes the fused path");
+        let prompt: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % 512).collect();
+        let steps = [3u32, 400, 77, 211];
+        let fused = logits(&m, &dev, &prompt, &steps);
+        m.small = false;
+        let plain = logits(&m, &dev, &prompt, &steps);
+        for (i, (a, b)) in fused.iter().zip(&plain).enumerate() {
+            let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let scale: f32 = b.abs().unwrap().max(0).unwrap().to_scalar().unwrap();
+            let err: f32 = (a - &b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(scale > 0.0, "step {i}: logits are all zero");
+            assert!(
+                err <= 2e-2 * scale,
+                "step {i}: max |fused - plain| {err} of {scale}"
+            );
+        }
+    }
+}

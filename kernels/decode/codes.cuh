@@ -66,7 +66,6 @@ __device__ __forceinline__ void widen8(uint4 v, const __nv_bfloat16*, float* f) 
         f[2 * i + 1] = p.y;
     }
 }
-__device__ __forceinline__ void widen8(uint4, const float*, float*) {}  // no f32 dense instances
 
 // e^x by the SFU's 2^x, flushing results below f32's normal range to 0 (softmax weights that
 // small do not count): no range fix-up around the approximation.

@@ -1,5 +1,6 @@
-// kvq: device helpers shared by every kernel file (quant.cu, decode.cu): element conversions
-// with explicit rounding (no contraction differences from MLX) and 16-byte vector loads.
+// kvq: device helpers shared by every kernel file (quant.cu, decode.cu, gemv.cu, fused.cu):
+// element conversions with explicit rounding (no contraction differences from MLX), 16-byte
+// chunks widened to floats, warp sums.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -8,6 +9,30 @@
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// 8 values of a 16-byte row chunk of f16 or bf16 as floats.
+template <typename T> struct Pair2;
+template <> struct Pair2<__half> { using type = __half2; };
+template <> struct Pair2<__nv_bfloat16> { using type = __nv_bfloat162; };
+__device__ __forceinline__ float2 to_f2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 to_f2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+template <typename T>
+__device__ __forceinline__ void widen8(uint4 v, const T*, float* f) {
+    const typename Pair2<T>::type* h = reinterpret_cast<const typename Pair2<T>::type*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 p = to_f2(h[i]);
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+    }
+}
+
+// Sum of v over the warp, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
 
 // Programmatic dependent launch (src/device/kernels/pdl.rs): pdl_trigger lets the next kernel in
 // the stream start launching; pdl_wait blocks until the kernel before this one has finished and

@@ -13,11 +13,20 @@
 //   GELU tanh for Gemma), f32 inside, one rounding.
 #include "common.cuh"
 
+// Sum of v over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[32];
+    v = warp_sum(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < nw ? part[lane] : 0.f);
+}
+
 template <typename T>
 __device__ __forceinline__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ r,
                                              const T* __restrict__ w, T* __restrict__ s,
                                              T* __restrict__ y, int cols, float eps) {
-    __shared__ float part[32];
     const size_t row = blockIdx.x;
     x += row * cols;
     y += row * cols;
@@ -35,29 +44,11 @@ __device__ __forceinline__ void add_rms_norm(const T* __restrict__ x, const T* _
         }
         acc += v * v;
     }
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) part[warp] = acc;
-    __syncthreads();
-    acc = lane < (int)(blockDim.x / 32) ? part[lane] : 0.f;
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    const float scale = rsqrtf(acc / cols + eps);
+    const float scale = rsqrtf(block_sum(acc) / cols + eps);
     const T* src = r != nullptr ? s : x;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         y[c] = from_f<T>(scale * to_f(src[c]) * to_f(w[c]));
     }
-}
-
-// Sum of v over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float part[32];
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    v = lane < nw ? part[lane] : 0.f;
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
 }
 
 template <typename T>

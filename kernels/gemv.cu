@@ -20,32 +20,6 @@
 constexpr int GEMV_WARPS = 4;
 constexpr int GEMV_UNROLL = 6;
 
-__device__ __forceinline__ void widen8(uint4 v, const __half*, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 p = __half22float2(h[i]);
-        f[2 * i] = p.x;
-        f[2 * i + 1] = p.y;
-    }
-}
-
-__device__ __forceinline__ void widen8(uint4 v, const __nv_bfloat16*, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 p = __bfloat1622float2(h[i]);
-        f[2 * i] = p.x;
-        f[2 * i + 1] = p.y;
-    }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
 // Chunks of 8 inputs per thread the prologue keeps in flight (K up to 8 * 128 * 4 = 4096 in one
 // round trip to L2: the prologue is latency-bound, one dependent load per loop step made it half
 // of a small projection's time).

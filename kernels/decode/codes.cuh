@@ -47,26 +47,6 @@ template <int B> __device__ __forceinline__ float frac_at(const uint32_t* w, int
     return __int_as_float(r);
 }
 
-// 8 values of a dense pool row (16 bytes of f16 or bf16) as floats.
-__device__ __forceinline__ void widen8(uint4 v, const __half*, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 p = __half22float2(h[i]);
-        f[2 * i] = p.x;
-        f[2 * i + 1] = p.y;
-    }
-}
-__device__ __forceinline__ void widen8(uint4 v, const __nv_bfloat16*, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 p = __bfloat1622float2(h[i]);
-        f[2 * i] = p.x;
-        f[2 * i + 1] = p.y;
-    }
-}
-
 // e^x by the SFU's 2^x, flushing results below f32's normal range to 0 (softmax weights that
 // small do not count): no range fix-up around the approximation.
 __device__ __forceinline__ float fast_exp(float x) {

@@ -435,20 +435,8 @@ pub(crate) mod cuda {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::{rope_qkv, QkNorm};
+    use crate::ops::testing::max_abs_diff;
     use candle_core::{DType, Device, Tensor};
-
-    fn max_err(a: &Tensor, b: &Tensor) -> f32 {
-        let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-        let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
 
     #[test]
     fn rope_qkv_with_and_without_qk_norms_matches_candle_ops() {
@@ -505,10 +493,10 @@ mod tests {
                         candle_nn::rotary_emb::rope_thd(&x, &cos_r, &sin_r).unwrap()
                     };
                     let what = format!("d {d} {dtype:?} norms {with_norm}");
-                    assert!(max_err(&q, &rope(&q0)) <= tol, "{what}: q");
-                    assert!(max_err(&k, &rope(&k0)) <= tol, "{what}: k");
+                    assert!(max_abs_diff(&q, &rope(&q0)) <= tol, "{what}: q");
+                    assert!(max_abs_diff(&k, &rope(&k0)) <= tol, "{what}: k");
                     assert_eq!(
-                        max_err(&v, &part(heads + kv_heads, kv_heads)),
+                        max_abs_diff(&v, &part(heads + kv_heads, kv_heads)),
                         0.0,
                         "{what}: v"
                     );

@@ -3,4 +3,6 @@
 pub mod gguf;
 pub mod pool;
 pub mod row_matmul;
+#[cfg(test)]
+pub(crate) mod testing;
 pub(crate) mod tiles;

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::kv::format::QuantFormat;
+use crate::ops::testing::max_abs_diff;
 
 fn cfg(num_blocks: usize) -> CacheConfig {
     CacheConfig::dense(2, 2, 32, 4, num_blocks, DType::F32)
@@ -13,19 +14,6 @@ fn rows(n: usize, base: f32) -> Tensor {
         .affine(0.01, base as f64)
         .unwrap()
         .reshape((n, 64))
-        .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    a.flatten_all()
-        .unwrap()
-        .sub(&b.flatten_all().unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
         .unwrap()
 }
 
@@ -64,8 +52,8 @@ fn write_then_gather_round_trips_across_blocks() {
     c.write(0, 2, 0, &rows(6, 5.0), &rows(6, 6.0)).unwrap();
     c.advance(1, 9).unwrap();
     let (k, v) = gather_all(&c, 1, 0, 9);
-    assert_eq!(max_diff(&k, &k1), 0.0);
-    assert_eq!(max_diff(&v, &v1), 0.0);
+    assert_eq!(max_abs_diff(&k, &k1), 0.0);
+    assert_eq!(max_abs_diff(&v, &v1), 0.0);
 }
 
 #[test]
@@ -113,7 +101,7 @@ fn sliding_window_frees_blocks_and_keeps_bytes_flat() {
     // The window's positions are still readable and hold what was written.
     let (k, _) = gather_all(&c, 0, c.first_visible(0, 40), 40);
     let want = Tensor::cat(&(35..40).map(|p| rows(1, p as f32)).collect::<Vec<_>>(), 0).unwrap();
-    assert_eq!(max_diff(&k, &want), 0.0);
+    assert_eq!(max_abs_diff(&k, &want), 0.0);
 }
 
 #[test]
@@ -147,11 +135,11 @@ fn staging_promotes_to_quantized_with_the_same_codes_as_direct_writes() {
     }
     let (ka, va) = gather_all(&a, 0, 0, 9);
     let (kb, vb) = gather_all(&b, 0, 0, 9);
-    assert_eq!(max_diff(&ka, &kb), 0.0);
-    assert_eq!(max_diff(&va, &vb), 0.0);
+    assert_eq!(max_abs_diff(&ka, &kb), 0.0);
+    assert_eq!(max_abs_diff(&va, &vb), 0.0);
     // Quantized, not exact, and the staging blocks were given back.
     assert!(
-        max_diff(
+        max_abs_diff(
             &ka,
             &Tensor::cat(
                 &(0..9).map(|p| rows(1, p as f32 * 0.3)).collect::<Vec<_>>(),
@@ -234,8 +222,8 @@ fn exported_rows_import_bit_for_bit_into_another_layout() {
         assert_eq!(raw(&b.export_rows(4).unwrap()), raw(&saved), "{fmt:?}");
         let (ka, va) = gather_all(&a, 1, 0, 11);
         let (kb, vb) = gather_all(&b, 4, 0, 11);
-        assert_eq!(max_diff(&ka, &kb), 0.0);
-        assert_eq!(max_diff(&va, &vb), 0.0);
+        assert_eq!(max_abs_diff(&ka, &kb), 0.0);
+        assert_eq!(max_abs_diff(&va, &vb), 0.0);
         // The other sequence is untouched.
         assert_eq!(
             raw(&b.export_rows(9).unwrap()),
@@ -375,7 +363,10 @@ fn import_refuses_other_formats_and_respects_staging_and_window() {
         .unwrap()
         .fits_in(&win.config().max_blocks_for(40, 4)));
     let (k, _) = gather_all(&win, 0, win.first_visible(0, 40), 40);
-    assert_eq!(max_diff(&k, &rows(40, 0.1).narrow(0, 35, 5).unwrap()), 0.0);
+    assert_eq!(
+        max_abs_diff(&k, &rows(40, 0.1).narrow(0, 35, 5).unwrap()),
+        0.0
+    );
     let e = win.export_rows(0).unwrap_err().to_string();
     assert!(e.contains("--max-kv-size"), "{e}");
 }
@@ -415,7 +406,7 @@ fn windowed_groups_hold_their_window_and_reuse_only_held_prefix_blocks() {
     let slots = c.slots(2, 1, 13, 20).unwrap();
     let slots = Tensor::new(slots.as_slice(), &Device::Cpu).unwrap();
     let (k2, v2) = c.gather(0, 2, &slots, DType::F32).unwrap();
-    assert_eq!((max_diff(&k0, &k2), max_diff(&v0, &v2)), (0.0, 0.0));
+    assert_eq!((max_abs_diff(&k0, &k2), max_abs_diff(&v0, &v2)), (0.0, 0.0));
     assert!(
         c.slots(2, 1, 0, 12).is_err(),
         "left the window before it was cached"

@@ -157,19 +157,7 @@ fn splitmix64(state: &mut u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
+    use crate::ops::testing::max_abs_diff;
 
     #[test]
     fn orthogonal_and_invertible() {
@@ -178,11 +166,11 @@ mod tests {
             let r = Rotation::new(d, 7, &dev).unwrap();
             let eye = Tensor::eye(d, DType::F32, &dev).unwrap();
             let rrt = r.fwd.matmul(&r.inv).unwrap();
-            assert!(max_abs(&rrt, &eye) < 1e-5, "d={d}: R·Rᵀ != I");
+            assert!(max_abs_diff(&rrt, &eye) < 1e-5, "d={d}: R·Rᵀ != I");
             let x = Tensor::randn(0f32, 1.0, (5, 3, d), &dev).unwrap();
             let back = r.unrotate(&r.rotate(&x).unwrap()).unwrap();
             assert_eq!(back.dims(), x.dims());
-            assert!(max_abs(&back, &x) < 1e-5);
+            assert!(max_abs_diff(&back, &x) < 1e-5);
         }
     }
 
@@ -239,8 +227,8 @@ mod tests {
         let a = Rotation::new(32, 1, &dev).unwrap();
         let b = Rotation::new(32, 1, &dev).unwrap();
         let c = Rotation::new(32, 2, &dev).unwrap();
-        assert_eq!(max_abs(&a.fwd, &b.fwd), 0.0);
-        assert!(max_abs(&a.fwd, &c.fwd) > 0.1);
+        assert_eq!(max_abs_diff(&a.fwd, &b.fwd), 0.0);
+        assert!(max_abs_diff(&a.fwd, &c.fwd) > 0.1);
     }
 
     #[test]

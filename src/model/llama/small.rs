@@ -115,6 +115,7 @@ mod tests {
     use crate::kv::cache::{CacheConfig, PagedKvCache};
     use crate::model::config::ModelConfig;
     use crate::model::weights::Weights;
+    use crate::ops::testing::{max_abs, max_abs_diff};
     use candle_core::{DType, Device, Tensor};
 
     fn logits(m: &Llama, dev: &Device, prompt: &[u32], steps: &[u32]) -> Vec<Tensor> {
@@ -160,17 +161,7 @@ mod tests {
         m.small = false;
         let plain = logits(&m, &dev, &prompt, &steps);
         for (i, (a, b)) in fused.iter().zip(&plain).enumerate() {
-            let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-            let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-            let scale: f32 = b.abs().unwrap().max(0).unwrap().to_scalar().unwrap();
-            let err: f32 = (a - &b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let (scale, err) = (max_abs(b), max_abs_diff(a, b));
             assert!(scale > 0.0, "step {i}: logits are all zero");
             assert!(
                 err <= 2e-2 * scale,

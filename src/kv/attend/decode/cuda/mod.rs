@@ -75,6 +75,25 @@ struct Merged {
     nsplit: usize,
 }
 
+impl Merged {
+    /// The split count as the kernel's int.
+    fn nsplit_arg(&self) -> Result<i32> {
+        i32::try_from(self.nsplit).map_err(|_| err("too many splits"))
+    }
+}
+
+/// This device's merge counters in `guard` (held from [`counters`] until the launch is queued).
+fn device_counters<'g>(guard: &'g Counters, dev: &CudaDevice) -> Result<&'g CudaSlice<u32>> {
+    guard
+        .get(&dev.id())
+        .ok_or_else(|| err("no merge counters for the device"))
+}
+
+/// The signs argument of a warp kernel without rotation: the lens buffer stands in, unread.
+fn no_signs<'b>(lens: &'b CudaView<'_, u32>) -> Result<CudaView<'b, f32>> {
+    unsafe { lens.transmute::<f32>(lens.len()) }.ok_or_else(|| err("signs placeholder"))
+}
+
 /// The dense kernel over pools `k`, `v` with queries `qs` (in their own element type); returns
 /// its merged output, in the queries' type.
 fn launch_dense(
@@ -90,16 +109,13 @@ fn launch_dense(
     let (k, v) = (aligned(k)?, aligned(v)?);
     let (kst, kl) = k.storage_and_layout();
     let (vst, vl) = v.storage_and_layout();
-    let ns = i32::try_from(m.nsplit).map_err(|_| err("too many splits"))?;
+    let ns = m.nsplit_arg()?;
     macro_rules! launch {
         ($t:ty, $qt:ty) => {{
             let (kv_, vv_) = (view::<$t>(&kst, kl)?, view::<$t>(&vst, vl)?);
             let qv = view::<$qt>(qs, ql)?;
-            // The in-kernel merge's counters, locked until the launch is queued.
             let guard = counters(dev, m.counters)?;
-            let c = guard
-                .get(&dev.id())
-                .ok_or_else(|| err("no merge counters for the device"))?;
+            let c = device_counters(&guard, dev)?;
             let out: CudaSlice<$qt> = unsafe { dev.alloc::<$qt>(m.out_len)? };
             let mut b = a.f.pdl_builder();
             b.arg(&qv)
@@ -149,11 +165,9 @@ fn launch_dense_warp(
     let (k, v) = (aligned(k)?, aligned(v)?);
     let (kst, kl) = k.storage_and_layout();
     let (vst, vl) = v.storage_and_layout();
-    let ns = i32::try_from(m.nsplit).map_err(|_| err("too many splits"))?;
+    let ns = m.nsplit_arg()?;
     let (group, rotated, null) = (a.ints[5], 0i32, 0u64);
-    // The signs argument is unread without rotation: the lens buffer stands in.
-    let signs =
-        unsafe { a.lens.transmute::<f32>(a.lens.len()) }.ok_or_else(|| err("signs placeholder"))?;
+    let signs = no_signs(a.lens)?;
     macro_rules! launch {
         ($t:ty) => {{
             let (kv_, vv_, qv) = (
@@ -162,9 +176,7 @@ fn launch_dense_warp(
                 view::<$t>(qs, ql)?,
             );
             let guard = counters(dev, m.counters)?;
-            let c = guard
-                .get(&dev.id())
-                .ok_or_else(|| err("no merge counters for the device"))?;
+            let c = device_counters(&guard, dev)?;
             let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(m.out_len)? };
             let mut b = a.f.pdl_builder();
             b.arg(&qv).arg(&a.scale).arg(&kv_).arg(&null).arg(&null);
@@ -236,11 +248,7 @@ fn launch_affine(
     let sg_storage = signs.as_ref().map(|t| t.storage_and_layout());
     let sgv = match &sg_storage {
         Some((st, l)) => view::<f32>(st, l)?,
-        None => {
-            // Same device pointer, read as nothing.
-            unsafe { a.lens.transmute::<f32>(a.lens.len()) }
-                .ok_or_else(|| err("signs placeholder"))?
-        }
+        None => no_signs(a.lens)?,
     };
     let mut fused: Option<CudaStorage> = None;
     macro_rules! launch {
@@ -285,10 +293,8 @@ fn launch_affine(
             if let (Some(w), Some(guard)) = (&warp, &guard) {
                 // The kernel merges the splits itself (last block per head chunk).
                 let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(w.merged.out_len)? };
-                let ns = w.merged.nsplit as i32;
-                let c = guard
-                    .get(&dev.id())
-                    .ok_or_else(|| err("no merge counters for the device"))?;
+                let ns = w.merged.nsplit_arg()?;
+                let c = device_counters(guard, dev)?;
                 b.arg(&sgv).arg(&rotated).arg(&out).arg(c).arg(&ns);
                 unsafe { b.launch(a.cfg) }?;
                 fused = Some(CudaStorage::wrap_cuda_slice(out, dev.clone()));

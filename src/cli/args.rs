@@ -307,7 +307,7 @@ impl SamplingArgs {
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
     /// Quantize the KV cache to this many bits per value (2, 3, 4, 5, 6 or 8; affine groups,
-    /// MLX-compatible). Absent: a dense cache in the compute dtype.
+    /// MLX-compatible). Absent: a dense cache (--kv-dtype).
     #[arg(long, value_name = "BITS")]
     pub kv_bits: Option<u32>,
 
@@ -351,6 +351,13 @@ pub struct KvArgs {
     /// groups. Default: rotated where head_dim is a power of two, else affine. Needs --kv-bits.
     #[arg(long, value_enum, value_name = "SCHEME")]
     pub kv_quant_scheme: Option<QuantSchemeArg>,
+
+    /// dtype of a dense cache, and of the dense layers and --quantized-kv-start staging of a
+    /// quantized one. Default: the --dtype given, else f16 — also on the CPU, which computes in
+    /// f32 but stores K and V in f16 as llama.cpp does (half the bytes every decode step
+    /// reads); --dtype f32 keeps an f32 cache (the exact reference arithmetic).
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    pub kv_dtype: Option<DTypeArg>,
 }
 
 /// `--kv-quant-scheme`.
@@ -370,8 +377,13 @@ impl QuantSchemeArg {
 }
 
 impl KvArgs {
-    /// The flags as the cache's plain options.
-    pub fn options(&self) -> KvOptions {
+    /// The flags as the cache's plain options, for a model run with `model`'s flags (the
+    /// dense dtype's default is its --dtype, else f16).
+    pub fn options(&self, model: &ModelArgs) -> KvOptions {
+        let dense = self
+            .kv_dtype
+            .or(model.dtype)
+            .map_or(DType::F16, DTypeArg::dtype);
         KvOptions {
             bits: self.kv_bits,
             key_bits: self.kv_key_bits,
@@ -382,6 +394,7 @@ impl KvArgs {
             max_kv_size: self.max_kv_size,
             block_size: self.kv_block_size,
             scheme: self.kv_quant_scheme.map(QuantSchemeArg::scheme),
+            dense_dtype: Some(dense),
         }
     }
 }

@@ -135,7 +135,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         check_not_read("--output", path, &model_files(&loaded))?;
     }
     let model = &loaded.model;
-    let kv = args.kv.options();
+    let kv = args.kv.options(&args.model);
     let sizing = |bytes, tokens| PoolSizing::Budget {
         bytes,
         tokens,
@@ -235,7 +235,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
 }
 
 fn check_flags(args: &BatchGenerateArgs) -> Result<()> {
-    args.kv.options().validate()?;
+    args.kv.options(&args.model).validate()?;
     args.sampling.validate()?;
     if args.sampling.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");

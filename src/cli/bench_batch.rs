@@ -97,7 +97,7 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
-    args.kv.options().validate()?;
+    args.kv.options(&args.model).validate()?;
     let device = args.device.open()?;
     let loaded = load(&args.model.options(), &device)?;
     let model = &loaded.model;
@@ -111,10 +111,10 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
             max_batch: s.pl,
             chunk: args.prefill_chunk,
         };
-        let cfg = args
-            .kv
-            .options()
-            .cache_config(model.kv_shape(), model.dtype(), sizing)?;
+        let cfg =
+            args.kv
+                .options(&args.model)
+                .cache_config(model.kv_shape(), model.dtype(), sizing)?;
         super::args::check_cache_memory(&cfg, model.device())?;
         let cache = PagedKvCache::new(cfg, model.device())?;
         batch::run_shape(model, cache, s, args.prefill_chunk, args.device.cuda_graphs)
@@ -124,7 +124,7 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
         let pp = npp.iter().copied().min().unwrap_or(1).min(16);
         run_one(Shape { pp, tg: 2, pl })?;
     }
-    let kv_desc = kv_description(&args.kv);
+    let kv_desc = kv_description(&args.kv, &args.model);
     let dtype = format!("{:?}", model.dtype()).to_lowercase();
     let mut rows = Vec::new();
     if !args.json {
@@ -182,8 +182,9 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
 }
 
 /// "f16 (dense)", "4-bit K / 4-bit V (rotated)" and the like, from the flags alone.
-fn kv_description(kv: &KvArgs) -> String {
-    match kv.options().quant_formats() {
+fn kv_description(kv: &KvArgs, model: &ModelArgs) -> String {
+    let opts = kv.options(model);
+    match opts.quant_formats() {
         Ok(Some((k, v))) => format!(
             "{}-bit K / {}-bit V, group {}{}",
             k.bits(),
@@ -193,7 +194,10 @@ fn kv_description(kv: &KvArgs) -> String {
                 .map(|s| format!(", {}", s.scheme().name()))
                 .unwrap_or_default()
         ),
-        _ => "dense (compute dtype)".into(),
+        _ => format!(
+            "dense {}",
+            opts.dense_dtype.map_or("(compute dtype)", |d| d.as_str())
+        ),
     }
 }
 

@@ -143,7 +143,7 @@ fn read_prompt_file(path: &Path) -> Result<String> {
 
 /// Conflicting or empty inputs, refused before anything is loaded.
 fn check_flags(args: &GenerateArgs) -> Result<()> {
-    args.kv.options().validate()?;
+    args.kv.options(&args.model).validate()?;
     args.sampling.validate()?;
     if args.sampling.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -255,7 +255,7 @@ fn start<'m>(args: &GenerateArgs, m: &'m LoadedModel, prompt: &[u32]) -> Result<
     };
     let cfg = args
         .kv
-        .options()
+        .options(&args.model)
         .cache_config(model.kv_shape(), model.dtype(), sizing)?;
     super::args::check_cache_memory(&cfg, model.device())?;
     let cache = PagedKvCache::new(cfg, model.device())?;

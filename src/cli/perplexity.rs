@@ -191,7 +191,7 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
 }
 
 pub fn run(args: &PerplexityArgs) -> Result<()> {
-    args.kv.options().validate()?;
+    args.kv.options(&args.model).validate()?;
     if args.model.load_format == LoadFormat::Dummy {
         bail!(
             "perplexity of random weights (--load-format dummy) means nothing: run it on a real \
@@ -219,7 +219,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
         Some(list) => parse_specs(list)?,
         None => {
             let mut v = vec![];
-            if let Some((k, val)) = args.kv.options().quant_formats()? {
+            if let Some((k, val)) = args.kv.options(&args.model).quant_formats()? {
                 v.push(Spec::Quant {
                     bits: (k.bits(), val.bits()),
                     scheme: None,
@@ -244,7 +244,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
     if !matches!(specs.first(), Some(Spec::Dense(_))) {
         specs.insert(0, Spec::Dense(model.dtype()));
     }
-    let kv = args.kv.options();
+    let kv = args.kv.options(&args.model);
     let settings = specs
         .iter()
         .map(|s| {

@@ -84,7 +84,7 @@ impl CacheFiles {
                 st.tokens
             ),
             _ => " (save and use it with the same --kv-bits, --kv-group-size, \
-                  --kv-dense-layers and --dtype)"
+                  --kv-dense-layers, --kv-dtype and --dtype)"
                 .into(),
         };
         file.check_formats(&cfg.formats_for_prefix(tokens), &hint)?;

@@ -80,7 +80,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
-    args.kv.options().validate()?;
+    args.kv.options(&args.model).validate()?;
     args.sampling.validate()?;
     let params = args.sampling.params();
     if args.sampling.max_tokens == 0 {
@@ -118,7 +118,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             let device = a.device.open()?;
             let loaded = load(&a.model.options(), &device)?;
             let model = &loaded.model;
-            let kv = a.kv.options();
+            let kv = a.kv.options(&a.model);
             let window = model.config().max_position_embeddings;
             let sizing = |bytes| PoolSizing::Budget {
                 bytes,

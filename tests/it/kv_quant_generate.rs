@@ -75,21 +75,23 @@ fn reported_bytes_follow_the_format_formula() {
         "{bytes} vs formula {formula}"
     );
 
-    // Dense f32 for comparison: 64 × 4 B per head.
-    let d = json(&[
-        "generate",
-        "--temp",
-        "0",
-        "--max-tokens",
-        "4",
-        "--json",
-        "--raw",
-        "Hello",
-    ]);
-    assert_eq!(
-        d["stats"]["kv_bytes_per_token"].as_u64().unwrap(),
-        30 * 2 * 3 * 256
-    );
+    // The dense cache for comparison: f16 by default also on the CPU (64 × 2 B per head), f32
+    // under --dtype f32 or --kv-dtype f32 (64 × 4 B).
+    for (flags, bytes) in [
+        (&[][..], 128),
+        (&["--dtype", "f32"][..], 256),
+        (&["--kv-dtype", "f32"][..], 256),
+    ] {
+        let mut argv = vec!["generate", "--temp", "0", "--max-tokens", "4", "--json"];
+        argv.extend(flags);
+        argv.extend(["--raw", "Hello"]);
+        let d = json(&argv);
+        assert_eq!(
+            d["stats"]["kv_bytes_per_token"].as_u64().unwrap(),
+            30 * 2 * 3 * bytes,
+            "{flags:?}"
+        );
+    }
 }
 
 #[test]

@@ -60,6 +60,8 @@ pub struct KvOptions {
     pub max_kv_size: Option<usize>,
     pub block_size: usize,
     pub scheme: Option<QuantScheme>,
+    /// dtype of dense pools (a dense cache, dense layers, staging); `None`: the compute dtype.
+    pub dense_dtype: Option<DType>,
 }
 
 impl Default for KvOptions {
@@ -74,6 +76,7 @@ impl Default for KvOptions {
             max_kv_size: None,
             block_size: 16,
             scheme: None,
+            dense_dtype: None,
         }
     }
 }
@@ -214,8 +217,8 @@ impl KvOptions {
     }
 
     /// The cache these options ask for, for a model of `shape` computing in `dtype` (dense and
-    /// staging pools in `dtype`, affine scales and biases in [`scale_dtype_for`] it), with its
-    /// pools sized by `sizing`. Allocates nothing.
+    /// staging pools in `dense_dtype`, else `dtype`; affine scales and biases in
+    /// [`scale_dtype_for`] `dtype`), with its pools sized by `sizing`. Allocates nothing.
     pub fn cache_config(
         &self,
         shape: ModelShape,
@@ -230,13 +233,14 @@ impl KvOptions {
             layer_windows,
             max_positions,
         } = shape;
+        let dense = self.dense_dtype.unwrap_or(dtype);
         let mut cfg = CacheConfig::dense(
             num_layers,
             num_kv_heads,
             head_dim,
             self.block_size,
             0,
-            dtype,
+            dense,
         );
         if let Some((key, value)) = self.quant_formats()? {
             key.check_dim(head_dim).map_err(|e| {
@@ -252,9 +256,9 @@ impl KvOptions {
                     OptionsError(format!("--kv-quant-scheme rotated: {e}; use affine"))
                 })?;
             }
-            let dense = self.dense_layer_list(num_layers)?;
+            let dense_layers = self.dense_layer_list(num_layers)?;
             for (l, f) in cfg.formats.iter_mut().enumerate() {
-                if !dense.contains(&l) {
+                if !dense_layers.contains(&l) {
                     *f = KvFormat::Affine {
                         key,
                         value,
@@ -266,7 +270,7 @@ impl KvOptions {
             if self.quantized_kv_start > 0 {
                 cfg.staging = Some(Staging {
                     tokens: self.quantized_kv_start,
-                    dtype,
+                    dtype: dense,
                     num_blocks: 0,
                 });
             }
@@ -450,5 +454,48 @@ mod tests {
             // per value); 3 KV heads, K and V, 2 layers.
             assert_eq!(cfg.bytes_per_token(), 2 * 2 * 3 * 36, "{dtype:?}");
         }
+    }
+
+    /// `dense_dtype` sets the dense cache, the dense layers and the staging of a quantized
+    /// cache; the scales of its quantized layers still follow the compute dtype.
+    #[test]
+    fn dense_pools_take_the_dense_dtype() {
+        let shape = ModelShape {
+            num_layers: 2,
+            num_kv_heads: 3,
+            head_dim: 64,
+            layer_windows: Vec::new(),
+            max_positions: 4096,
+        };
+        let sizing = PoolSizing::Sequences {
+            tokens: 256,
+            max_batch: 2,
+            chunk: 64,
+        };
+        let half = |o: KvOptions| KvOptions {
+            dense_dtype: Some(DType::F16),
+            ..o
+        };
+        let dense = half(KvOptions::default())
+            .cache_config(shape.clone(), DType::F32, sizing)
+            .unwrap();
+        assert_eq!(dense.formats, vec![KvFormat::Dense(DType::F16); 2]);
+        assert_eq!(dense.bytes_per_token(), 2 * 2 * 3 * 64 * 2);
+        let mixed = half(KvOptions {
+            bits: Some(4),
+            dense_layers: Some("last".into()),
+            quantized_kv_start: 32,
+            ..KvOptions::default()
+        })
+        .cache_config(shape.clone(), DType::F32, sizing)
+        .unwrap();
+        assert_eq!(mixed.formats[1], KvFormat::Dense(DType::F16));
+        assert_eq!(mixed.formats[0].value_dtype(), DType::F16);
+        assert_eq!(mixed.staging.as_ref().map(|s| s.dtype), Some(DType::F16));
+        // Unset: the compute dtype, as before.
+        let plain = KvOptions::default()
+            .cache_config(shape, DType::F32, sizing)
+            .unwrap();
+        assert_eq!(plain.formats, vec![KvFormat::Dense(DType::F32); 2]);
     }
 }

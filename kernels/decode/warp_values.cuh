@@ -16,9 +16,12 @@ __device__ __forceinline__ void warp_values_mma(
     using S = QShape<T, B, D, GS>;
     constexpr int HB = S::HB, NG = S::NG, MT = S::MT, BPL = S::BPL, VW = S::VW;
     const unsigned FULL = 0xffffffffu;
+    // Codes as f16 (exact): ORed into 1024 (0x6400: low nibble or byte) or, for a high nibble
+    // left in place, into 64 (0x5400, mantissa unit 1/16), then the offset subtracted.
     const uint32_t cmask = 0x000F000Fu * (B == 4) + 0x00FF00FFu * (B == 8);
-    const uint32_t magic = 0x64006400u;
+    const uint32_t magic = 0x64006400u, hmask = 0x00F000F0u, hmagic = 0x54005400u;
     const __half2 k1024 = __floats2half2_rn(-1024.f, -1024.f);
+    const __half2 k64 = __floats2half2_rn(-64.f, -64.f);
     const int gam = gq / 4;  // this lane's column's group
     const bool col_ok = gam < NG;
 #pragma unroll
@@ -71,8 +74,8 @@ __device__ __forceinline__ void warp_values_mma(
                 const uint32_t sel = (uint32_t)by | ((uint32_t)(4 + by) << 8);
                 r01 = __byte_perm(x[0][w], x[1][w], sel);
                 r23 = __byte_perm(x[2][w], x[3][w], sel);
-                s01 = r01 >> 4;
-                s23 = r23 >> 4;
+                s01 = r01;  // high nibbles: hmask / hmagic below
+                s23 = r23;
             } else {
                 const int w = (2 * i) / 4, by = (2 * i) % 4;
                 const uint32_t sel0 = (uint32_t)by | ((uint32_t)(4 + by) << 8);
@@ -86,9 +89,11 @@ __device__ __forceinline__ void warp_values_mma(
             const uint32_t raw[4] = {r01, s01, r23, s23};
 #pragma unroll
             for (int k = 0; k < 4; k++) {
+                const bool hi = B == 4 && (k & 1);
                 uint32_t h;
-                asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(raw[k]), "r"(cmask), "r"(magic));
-                const __half2 c = __hadd2(*reinterpret_cast<const __half2*>(&h), k1024);
+                asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
+                    : "=r"(h) : "r"(raw[k]), "r"(hi ? hmask : cmask), "r"(hi ? hmagic : magic));
+                const __half2 c = __hadd2(*reinterpret_cast<const __half2*>(&h), hi ? k64 : k1024);
                 a[k] = *reinterpret_cast<const uint32_t*>(&c);
             }
             mma16816(cv[i], a[0], a[1], a[2], a[3], bh0, bh1);

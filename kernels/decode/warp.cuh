@@ -113,7 +113,7 @@ __device__ __forceinline__ void qdecode_impl(
     };
     static_assert(!MMA || 2 * STG >= QG * D * 4, "a warp's stages hold its V totals");
     __shared__ float qsum_s[QG][NCH], wm_s[QW][QG], wl_s[QW][QG];
-    __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][4];  // q fragments: a0/a2, hi/lo
+    __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][S::QAW];  // q fragments (QAW)
     __shared__ unsigned qmax_s;
     __shared__ int bad_s;
 

@@ -37,7 +37,6 @@ __device__ __forceinline__ void warp_values_mma(
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int r = 16 * kt + 2 * tq + (k & 1) + 8 * (k >> 1);
-            const bool ok = (vmask >> r) & 1;
             const unsigned char* src_b = sV + stage_off<HB>(r, gq * BPL);
             if (BPL == 4) {
                 x[k][0] = *reinterpret_cast<const uint32_t*>(src_b);
@@ -48,9 +47,10 @@ __device__ __forceinline__ void warp_values_mma(
                 const uint4 v4 = *reinterpret_cast<const uint4*>(src_b);
                 x[k][0] = v4.x; x[k][1] = v4.y; x[k][2] = v4.z; x[k][3] = v4.w;
             }
+            // A masked row's staged scale and bias are zeros already (no test of vmask).
             const int at = r * NG + (col_ok ? gam : 0);
-            const float sc = ok && col_ok ? to_f(sVS[at]) : 0.f;
-            const float bi = ok && col_ok ? to_f(sVB[at]) : 0.f;
+            const float sc = col_ok ? to_f(sVS[at]) : 0.f;
+            const float bi = col_ok ? to_f(sVB[at]) : 0.f;
             pp[k] = pw[k] * sc;
             accb_c = fmaf(pw[k], bi, accb_c);
         }

@@ -137,12 +137,13 @@ __device__ __forceinline__ void qdecode_impl(
     const uint32_t bs = (uint32_t)block_size, nblk = (uint32_t)num_blocks;
     // A position's block (or an invalid id past the split's end) and its index q = p / bs in
     // the table, kept for the position's offset in its block; a shift for power-of-two block
-    // sizes (the default 16) instead of a division.
+    // sizes (the default 16) instead of a division (tensor-core kernels: the SIMT ones keep
+    // p / bs and p % bs, which measured fewer spills there).
     const bool bs_pow2 = (bs & (bs - 1)) == 0;
     const uint32_t bs_shift = (uint32_t)(__ffs((int)bs) - 1);
     auto block_of = [&](uint32_t p, uint32_t& q) -> uint32_t {
         if (p >= p1) return 0xffffffffu;
-        q = bs_pow2 ? p >> bs_shift : p / bs;
+        q = MMA && bs_pow2 ? p >> bs_shift : p / bs;
         return tab[q];
     };
     // qsum per group (tensor-core path), for the bias term; the warp's softmax state.
@@ -161,7 +162,7 @@ __device__ __forceinline__ void qdecode_impl(
                 bad_row = true;
                 return false;
             }
-            hr = (blk * bs + (p - q * bs)) * nkv + kh;
+            hr = (blk * bs + (MMA ? p - q * bs : p % bs)) * nkv + kh;
             return true;
         };
         unsigned short sreg[4] = {0, 0, 0, 0};

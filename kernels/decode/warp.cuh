@@ -142,8 +142,9 @@ __device__ __forceinline__ void qdecode_impl(
     const bool bs_pow2 = (bs & (bs - 1)) == 0;
     const uint32_t bs_shift = (uint32_t)(__ffs((int)bs) - 1);
     auto block_of = [&](uint32_t p, uint32_t& q) -> uint32_t {
+        if constexpr (!MMA) return p < p1 ? tab[p / bs] : 0xffffffffu;  // the original form
         if (p >= p1) return 0xffffffffu;
-        q = MMA && bs_pow2 ? p >> bs_shift : p / bs;
+        q = bs_pow2 ? p >> bs_shift : p / bs;
         return tab[q];
     };
     // qsum per group (tensor-core path), for the bias term; the warp's softmax state.
@@ -171,8 +172,8 @@ __device__ __forceinline__ void qdecode_impl(
                                     kb, vs, vb, sreg);
         };
         uint32_t q0 = 0, q1 = 0;
-        const uint32_t blk0 = block_of(t0 + lane, q0);
         uint32_t blk1 = block_of(t0 + stride + lane, q1);
+        const uint32_t blk0 = block_of(t0 + lane, q0);
         uint32_t hrow = 0;
         bool valid = locate(t0 + lane, blk0, q0, hrow);
         int buf = 0;

@@ -113,19 +113,25 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 // The B fragment (two f16 pairs) of one k-step from the lane's code word x: B = 4: the 2 bytes
 // at byte `byte` of x (4 codes: low/high nibble of each); B = 8: the 4 bytes of x. Dims d0..d3
 // of the k-step map to k = (2t, 2t+8, 2t+1, 2t+9): b0 = (c(d0), c(d2)), b1 = (c(d1), c(d3)).
-// Codes are exact in f16: 1024 + c built from bits, then 1024 subtracted.
+// Codes are exact in f16, built from bits and the offset subtracted: a low nibble ORed into 1024
+// (0x6400, mantissa unit 1), a high nibble left in place and ORed into 64 (0x5400, unit 1/16),
+// so one byte permute serves both halves and no shift is needed.
 template <int B> __device__ __forceinline__ void code_frag(uint32_t x, int byte, uint32_t& b0, uint32_t& b1) {
-    const uint32_t magic = 0x64646464u;
-    const __half2 k1024 = __floats2half2_rn(-1024.f, -1024.f);
     uint32_t r0, r1;
     if (B == 4) {
-        const uint32_t sel = (uint32_t)byte | 0x40u | ((uint32_t)(byte + 1) << 8) | 0x4000u;
-        r0 = __byte_perm(x, magic, sel) & 0xFF0FFF0Fu;
-        r1 = __byte_perm(x >> 4, magic, sel) & 0xFF0FFF0Fu;
-    } else {
-        r0 = __byte_perm(x, magic, 0x4240);
-        r1 = __byte_perm(x, magic, 0x4341);
+        const uint32_t y = __byte_perm(x, 0u, (uint32_t)byte | ((uint32_t)(byte + 1) << 8));
+        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r0) : "r"(y), "r"(0x000F000Fu), "r"(0x64006400u));
+        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r1) : "r"(y), "r"(0x00F000F0u), "r"(0x54005400u));
+        const __half2 h0 = __hadd2(*reinterpret_cast<const __half2*>(&r0), __floats2half2_rn(-1024.f, -1024.f));
+        const __half2 h1 = __hadd2(*reinterpret_cast<const __half2*>(&r1), __floats2half2_rn(-64.f, -64.f));
+        b0 = *reinterpret_cast<const uint32_t*>(&h0);
+        b1 = *reinterpret_cast<const uint32_t*>(&h1);
+        return;
     }
+    const uint32_t magic = 0x64646464u;
+    const __half2 k1024 = __floats2half2_rn(-1024.f, -1024.f);
+    r0 = __byte_perm(x, magic, 0x4240);
+    r1 = __byte_perm(x, magic, 0x4341);
     const __half2 h0 = __hadd2(*reinterpret_cast<const __half2*>(&r0), k1024);
     const __half2 h1 = __hadd2(*reinterpret_cast<const __half2*>(&r1), k1024);
     b0 = *reinterpret_cast<const uint32_t*>(&h0);

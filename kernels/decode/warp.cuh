@@ -113,7 +113,7 @@ __device__ __forceinline__ void qdecode_impl(
     };
     static_assert(!MMA || 2 * STG >= QG * D * 4, "a warp's stages hold its V totals");
     __shared__ float qsum_s[QG][NCH], wm_s[QW][QG], wl_s[QW][QG];
-    __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][4];  // q fragments: a0/a2, hi/lo
+    __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][S::QAW];  // q fragments (QAW)
     __shared__ unsigned qmax_s;
     __shared__ int bad_s;
 
@@ -135,8 +135,18 @@ __device__ __forceinline__ void qdecode_impl(
     const int c8 = lane % LPR, rsub = lane / LPR;
     const uint32_t* tab = tables + (size_t)b * max_blocks;
     const uint32_t bs = (uint32_t)block_size, nblk = (uint32_t)num_blocks;
-    // A position's block (or an invalid id past the split's end).
-    auto block_of = [&](uint32_t p) -> uint32_t { return p < p1 ? tab[p / bs] : 0xffffffffu; };
+    // A position's block (or an invalid id past the split's end) and its index q = p / bs in
+    // the table, kept for the position's offset in its block; a shift for power-of-two block
+    // sizes (the default 16) instead of a division (tensor-core kernels: the SIMT ones keep
+    // p / bs and p % bs, which measured fewer spills there).
+    const bool bs_pow2 = (bs & (bs - 1)) == 0;
+    const uint32_t bs_shift = (uint32_t)(__ffs((int)bs) - 1);
+    auto block_of = [&](uint32_t p, uint32_t& q) -> uint32_t {
+        if constexpr (!MMA) return p < p1 ? tab[p / bs] : 0xffffffffu;  // the original form
+        if (p >= p1) return 0xffffffffu;
+        q = bs_pow2 ? p >> bs_shift : p / bs;
+        return tab[q];
+    };
     // qsum per group (tensor-core path), for the bias term; the warp's softmax state.
     float qsg[NG], m_w[QG], l_w[QG], acc[S::AR][8], accb[S::AR];
     float cv[S::CR][4], accb_c = 0.f;  // tensor-core V: C tiles, bias of column gq
@@ -147,13 +157,13 @@ __device__ __forceinline__ void qdecode_impl(
         uint32_t t0 = p0 + (uint32_t)warp * 32;
         const uint32_t stride = QW * 32;
         // Position p's head row, if it is inside the split and its block is in the pool.
-        auto locate = [&](uint32_t p, uint32_t blk, uint32_t& hr) -> bool {
+        auto locate = [&](uint32_t p, uint32_t blk, uint32_t q, uint32_t& hr) -> bool {
             if (p >= p1) return false;
             if (blk >= nblk) {
                 bad_row = true;
                 return false;
             }
-            hr = (blk * bs + p % bs) * nkv + kh;
+            hr = (blk * bs + (MMA ? p - q * bs : p % bs)) * nkv + kh;
             return true;
         };
         unsigned short sreg[4] = {0, 0, 0, 0};
@@ -161,9 +171,11 @@ __device__ __forceinline__ void qdecode_impl(
             warp_stage<T, B, D, GS>(stage_s + (warp * 2 + buf) * STG, lane, hr, ok, kcb, vcb, ks,
                                     kb, vs, vb, sreg);
         };
-        uint32_t blk1 = block_of(t0 + stride + lane);
+        uint32_t q0 = 0, q1 = 0;
+        uint32_t blk1 = block_of(t0 + stride + lane, q1);
+        const uint32_t blk0 = block_of(t0 + lane, q0);
         uint32_t hrow = 0;
-        bool valid = locate(t0 + lane, block_of(t0 + lane), hrow);
+        bool valid = locate(t0 + lane, blk0, q0, hrow);
         int buf = 0;
         if constexpr (MMA) stage(0, hrow, valid);
         for (; t0 < p1; t0 += stride) {
@@ -171,8 +183,8 @@ __device__ __forceinline__ void qdecode_impl(
             // The next tile: located now (its block ids were read a tile ago), staged (tensor
             // cores) or asked into L2 (SIMT); the block ids of the one after.
             uint32_t hrow_n = 0;
-            const bool valid_n = locate(p + stride, blk1, hrow_n);
-            blk1 = block_of(p + 2 * stride);
+            const bool valid_n = locate(p + stride, blk1, q1, hrow_n);
+            blk1 = block_of(p + 2 * stride, q1);
             const unsigned char* st = stage_s + (warp * 2 + buf) * STG;
             unsigned vmask = 0;
             if constexpr (MMA) {

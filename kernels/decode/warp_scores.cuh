@@ -12,7 +12,7 @@ template <typename T, int B, int D, int GS>
 __device__ __forceinline__ float warp_load_q(
     const T* __restrict__ q, float scale, const float* __restrict__ signs, int rotated, int b,
     int H, int kh, int G, int j0, int gn, bool bad_seq, float (*q_s)[D], float (*qsum_s)[D / 32],
-    uint32_t (*qa_s)[32][4], unsigned& qmax_s, int& bad_s) {
+    uint32_t (*qa_s)[32][QShape<T, B, D, GS>::QAW], unsigned& qmax_s, int& bad_s) {
     using S = QShape<T, B, D, GS>;
     constexpr bool MMA = S::MMA;
     constexpr int NCH = S::NCH, KS = S::KS, KST = S::KST, CPW = S::CPW;
@@ -58,10 +58,18 @@ __device__ __forceinline__ float warp_load_q(
                 hi[j] = __half2float(__float2half_rn(v[j]));
                 lo[j] = v[j] - hi[j];
             }
-            qa_s[s][l][0] = pack_half2(hi[0], hi[2]);
-            qa_s[s][l][1] = pack_half2(hi[1], hi[3]);
-            qa_s[s][l][2] = pack_half2(lo[0], lo[2]);
-            qa_s[s][l][3] = pack_half2(lo[1], lo[3]);
+            if (S::QAW == 8) {  // {hi a0, 0, hi a2, 0}, {lo a0, 0, lo a2, 0}
+                qa_s[s][l][0] = pack_half2(hi[0], hi[2]);
+                qa_s[s][l][2 % S::QAW] = pack_half2(hi[1], hi[3]);
+                qa_s[s][l][4 % S::QAW] = pack_half2(lo[0], lo[2]);
+                qa_s[s][l][6 % S::QAW] = pack_half2(lo[1], lo[3]);
+                qa_s[s][l][1] = qa_s[s][l][3] = qa_s[s][l][5 % S::QAW] = qa_s[s][l][7 % S::QAW] = 0u;
+            } else {  // {hi a0, lo a0, hi a2, lo a2}: the rows ≥ 8 of each product are unused
+                qa_s[s][l][0] = pack_half2(hi[0], hi[2]);
+                qa_s[s][l][1] = pack_half2(lo[0], lo[2]);
+                qa_s[s][l][2] = pack_half2(hi[1], hi[3]);
+                qa_s[s][l][3] = pack_half2(lo[1], lo[3]);
+            }
         }
     }
     __syncthreads();
@@ -219,52 +227,70 @@ __device__ __forceinline__ void warp_softmax_simt(
 
 // 1. Tensor-core scores S = Q·Kᵀ, n-tile ν = positions 8ν..8ν+7 of the tile, from the staged
 // tile (sK codes, sKS / sKB scales and biases): a lane's words of position 8ν + gq's row by
-// ldmatrix. sv[ν][e]: head gq, position 8ν + 2·tq + e; -inf where masked out by vmask.
+// ldmatrix. sv[ν][e]: head gq, position 8ν + 2·tq + e; -inf where masked out by vmask. The
+// k-steps are the outer loop, so each k-step's q fragments are read once for the four n-tiles
+// and sit in the mma's operand registers (zero rows included) without copies; each n-tile's
+// accumulator still takes hi, lo of k-step 0, 1, ... of a group in order, and the groups enter
+// its score in order.
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void warp_scores_mma(
     int lane, int tq, unsigned vmask, const unsigned char* sK, const T* sKS, const T* sKB,
-    uint32_t (*qa_s)[32][4], float qexp, const float (&qsg)[QShape<T, B, D, GS>::NG],
+    uint32_t (*qa_s)[32][QShape<T, B, D, GS>::QAW], float qexp,
+    const float (&qsg)[QShape<T, B, D, GS>::NG],
     float (&sv)[4][2]) {
     using S = QShape<T, B, D, GS>;
-    constexpr int HB = S::HB, NG = S::NG, KS = S::KS, KST = S::KST, QWB = S::QWB, WPL = S::WPL;
+    constexpr int HB = S::HB, NG = S::NG, KS = S::KS, QWB = S::QWB, WPL = S::WPL;
     constexpr int CPR = S::CPR;
     static_assert(WPL == CPR, "a lane holds one word of each chunk of its row");
-    uint32_t w[WPL];
+    uint32_t w[4][WPL];
 #pragma unroll
-    for (int nu = 0; nu < 4; nu++) {
-        // Scales and biases of the two positions of this lane's C fragment.
-        float sc[2][NG], bi[2][NG];
+    for (int nu = 0; nu < 4; nu++) ldsm_rows<HB>(sK, 8 * nu, lane, w[nu]);
+    float acc_s[4][2];
 #pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const int r = 8 * nu + 2 * tq + e;
-            load_groups<T, NG>(sKS + r * NG, sc[e]);
-            load_groups<T, NG>(sKB + r * NG, bi[e]);
+    for (int nu = 0; nu < 4; nu++) acc_s[nu][0] = acc_s[nu][1] = 0.f;
+#pragma unroll
+    for (int gi = 0; gi < NG; gi++) {
+        float c[4][4];
+#pragma unroll
+        for (int nu = 0; nu < 4; nu++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[nu][i] = 0.f;
+#pragma unroll
+        for (int sp = 0; sp < KS; sp++) {
+            const int s = gi * KS + sp;
+            uint4 ah, al;  // the hi and lo A operands
+            if (S::QAW == 8) {
+                ah = *reinterpret_cast<const uint4*>(&qa_s[s][lane][0]);
+                al = *reinterpret_cast<const uint4*>(&qa_s[s][lane][4 % S::QAW]);
+            } else {
+                const uint4 a = *reinterpret_cast<const uint4*>(qa_s[s][lane]);
+                ah = a;
+                al = make_uint4(a.y, a.x, a.w, a.z);
+            }
+#pragma unroll
+            for (int nu = 0; nu < 4; nu++) {
+                uint32_t b0, b1;
+                if (B == 4) code_frag<4>(w[nu][gi * QWB / 4 + sp / 2], 2 * (sp % 2), b0, b1);
+                else code_frag<8>(w[nu][gi * QWB / 4 + sp], 0, b0, b1);
+                mma16816(c[nu], ah.x, ah.y, ah.z, ah.w, b0, b1);
+                mma16816(c[nu], al.x, al.y, al.z, al.w, b0, b1);
+            }
         }
-        ldsm_rows<HB>(sK, 8 * nu, lane, w);
-        const uint32_t* wn = w;
-        float c[NG][4];
+        // This group's scale and bias of the two positions of each n-tile's C fragment.
 #pragma unroll
-        for (int gi = 0; gi < NG; gi++)
+        for (int nu = 0; nu < 4; nu++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) c[gi][i] = 0.f;
-#pragma unroll
-        for (int s = 0; s < KST; s++) {
-            const int gi = s / KS, sp = s % KS;
-            const uint4 a = *reinterpret_cast<const uint4*>(qa_s[s][lane]);
-            uint32_t b0, b1;
-            if (B == 4) code_frag<4>(wn[gi * QWB / 4 + sp / 2], 2 * (sp % 2), b0, b1);
-            else code_frag<8>(wn[gi * QWB / 4 + sp], 0, b0, b1);
-            mma16816(c[gi], a.x, 0u, a.y, 0u, b0, b1);
-            mma16816(c[gi], a.z, 0u, a.w, 0u, b0, b1);
-        }
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            float acc_s = 0.f;
-#pragma unroll
-            for (int gi = 0; gi < NG; gi++) acc_s += sc[e][gi] * qexp * c[gi][e] + bi[e][gi] * qsg[gi];
-            sv[nu][e] = (vmask >> (8 * nu + 2 * tq + e)) & 1 ? acc_s : neg_inf();
-        }
+            for (int e = 0; e < 2; e++) {
+                const int r = 8 * nu + 2 * tq + e;
+                const float sc = to_f(sKS[r * NG + gi]), bi = to_f(sKB[r * NG + gi]);
+                acc_s[nu][e] += sc * qexp * c[nu][e] + bi * qsg[gi];
+            }
     }
+#pragma unroll
+    for (int nu = 0; nu < 4; nu++)
+#pragma unroll
+        for (int e = 0; e < 2; e++)
+            sv[nu][e] = (vmask >> (8 * nu + 2 * tq + e)) & 1 ? acc_s[nu][e] : neg_inf();
 }
 
 // 2. Tensor-core online softmax: head gq's 32 scores sit in lanes 4gq..4gq+3; pm[ν][e] = the

@@ -53,6 +53,10 @@ template <typename T, int B, int D, int GS> struct QShape {
     static constexpr int KST = D / 16;
     static constexpr int QWB = MMA ? GS * B / 32 : 4;  // bytes of a lane's quarter of a group
     static constexpr int WPL = MMA ? NG * QWB / 4 : 1;  // words per lane and position
+    // q fragment words per lane and k-step: hi and lo A operands with their zero rows stored
+    // (4-bit: loaded straight into the mma's operand registers), or packed hi / lo pairs (8-bit,
+    // whose 3 blocks per SM leave no shared memory for the zeros).
+    static constexpr int QAW = B == 4 ? 8 : 4;
     // Tensor-core V (groups of 64 or 128: at most two per head): C[dim][col] += codes · P' with
     // 8 columns = (group, head) and P' = weight · that group's scale, so each group's scales
     // enter through its own columns; a dim keeps the column of its own group. A lane reads

@@ -16,9 +16,12 @@ __device__ __forceinline__ void warp_values_mma(
     using S = QShape<T, B, D, GS>;
     constexpr int HB = S::HB, NG = S::NG, MT = S::MT, BPL = S::BPL, VW = S::VW;
     const unsigned FULL = 0xffffffffu;
+    // Codes as f16 (exact): ORed into 1024 (0x6400: low nibble or byte) or, for a high nibble
+    // left in place, into 64 (0x5400, mantissa unit 1/16), then the offset subtracted.
     const uint32_t cmask = 0x000F000Fu * (B == 4) + 0x00FF00FFu * (B == 8);
-    const uint32_t magic = 0x64006400u;
+    const uint32_t magic = 0x64006400u, hmask = 0x00F000F0u, hmagic = 0x54005400u;
     const __half2 k1024 = __floats2half2_rn(-1024.f, -1024.f);
+    const __half2 k64 = __floats2half2_rn(-64.f, -64.f);
     const int gam = gq / 4;  // this lane's column's group
     const bool col_ok = gam < NG;
 #pragma unroll
@@ -34,7 +37,6 @@ __device__ __forceinline__ void warp_values_mma(
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int r = 16 * kt + 2 * tq + (k & 1) + 8 * (k >> 1);
-            const bool ok = (vmask >> r) & 1;
             const unsigned char* src_b = sV + stage_off<HB>(r, gq * BPL);
             if (BPL == 4) {
                 x[k][0] = *reinterpret_cast<const uint32_t*>(src_b);
@@ -45,9 +47,10 @@ __device__ __forceinline__ void warp_values_mma(
                 const uint4 v4 = *reinterpret_cast<const uint4*>(src_b);
                 x[k][0] = v4.x; x[k][1] = v4.y; x[k][2] = v4.z; x[k][3] = v4.w;
             }
+            // A masked row's staged scale and bias are zeros already (no test of vmask).
             const int at = r * NG + (col_ok ? gam : 0);
-            const float sc = ok && col_ok ? to_f(sVS[at]) : 0.f;
-            const float bi = ok && col_ok ? to_f(sVB[at]) : 0.f;
+            const float sc = col_ok ? to_f(sVS[at]) : 0.f;
+            const float bi = col_ok ? to_f(sVB[at]) : 0.f;
             pp[k] = pw[k] * sc;
             accb_c = fmaf(pw[k], bi, accb_c);
         }
@@ -71,8 +74,8 @@ __device__ __forceinline__ void warp_values_mma(
                 const uint32_t sel = (uint32_t)by | ((uint32_t)(4 + by) << 8);
                 r01 = __byte_perm(x[0][w], x[1][w], sel);
                 r23 = __byte_perm(x[2][w], x[3][w], sel);
-                s01 = r01 >> 4;
-                s23 = r23 >> 4;
+                s01 = r01;  // high nibbles: hmask / hmagic below
+                s23 = r23;
             } else {
                 const int w = (2 * i) / 4, by = (2 * i) % 4;
                 const uint32_t sel0 = (uint32_t)by | ((uint32_t)(4 + by) << 8);
@@ -86,9 +89,11 @@ __device__ __forceinline__ void warp_values_mma(
             const uint32_t raw[4] = {r01, s01, r23, s23};
 #pragma unroll
             for (int k = 0; k < 4; k++) {
+                const bool hi = B == 4 && (k & 1);
                 uint32_t h;
-                asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(raw[k]), "r"(cmask), "r"(magic));
-                const __half2 c = __hadd2(*reinterpret_cast<const __half2*>(&h), k1024);
+                asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
+                    : "=r"(h) : "r"(raw[k]), "r"(hi ? hmask : cmask), "r"(hi ? hmagic : magic));
+                const __half2 c = __hadd2(*reinterpret_cast<const __half2*>(&h), hi ? k64 : k1024);
                 a[k] = *reinterpret_cast<const uint32_t*>(&c);
             }
             mma16816(cv[i], a[0], a[1], a[2], a[3], bh0, bh1);

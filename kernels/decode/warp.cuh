@@ -81,6 +81,37 @@ __device__ __forceinline__ void warp_merge_last(
         out[(hb + i / D) * D + i % D] = from_f<T>(o_s[i] * nrm * signs[i % D]);
 }
 
+// One sequence's block table inside a split ending at p1. block_of: a position's block (or an
+// invalid id past the split's end) and its index q = p / bs in the table, kept for the
+// position's offset in its block; tensor-core kernels shift for power-of-two block sizes (the
+// default 16) instead of dividing, the SIMT ones keep p / bs and p % bs (fewer spills there).
+// locate: the position's head row, if it is inside the split and its block is in the pool.
+template <bool MMA> struct SeqBlocks {
+    const uint32_t* tab;
+    uint32_t bs, p1, nblk, nkv, kh, shift;
+    bool pow2;
+    __device__ __forceinline__ SeqBlocks(const uint32_t* t, uint32_t bs_, uint32_t p1_,
+                                         uint32_t nblk_, uint32_t nkv_, uint32_t kh_)
+        : tab(t), bs(bs_), p1(p1_), nblk(nblk_), nkv(nkv_), kh(kh_),
+          shift((uint32_t)(__ffs((int)bs_) - 1)), pow2((bs_ & (bs_ - 1)) == 0) {}
+    __device__ __forceinline__ uint32_t block_of(uint32_t p, uint32_t& q) const {
+        if constexpr (!MMA) return p < p1 ? tab[p / bs] : 0xffffffffu;
+        if (p >= p1) return 0xffffffffu;
+        q = pow2 ? p >> shift : p / bs;
+        return tab[q];
+    }
+    __device__ __forceinline__ bool locate(uint32_t p, uint32_t blk, uint32_t q, uint32_t& hr,
+                                           bool& bad) const {
+        if (p >= p1) return false;
+        if (blk >= nblk) {
+            bad = true;
+            return false;
+        }
+        hr = (blk * bs + (MMA ? p - q * bs : p % bs)) * nkv + kh;
+        return true;
+    }
+};
+
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void qdecode_impl(
     const T* __restrict__ q, float scale, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
@@ -133,20 +164,8 @@ __device__ __forceinline__ void qdecode_impl(
     const unsigned char* vcb = reinterpret_cast<const unsigned char*>(vc);
     const uint32_t hg = (uint32_t)(D / group), nkv = (uint32_t)kvh;
     const int c8 = lane % LPR, rsub = lane / LPR;
-    const uint32_t* tab = tables + (size_t)b * max_blocks;
-    const uint32_t bs = (uint32_t)block_size, nblk = (uint32_t)num_blocks;
-    // A position's block (or an invalid id past the split's end) and its index q = p / bs in
-    // the table, kept for the position's offset in its block; a shift for power-of-two block
-    // sizes (the default 16) instead of a division (tensor-core kernels: the SIMT ones keep
-    // p / bs and p % bs, which measured fewer spills there).
-    const bool bs_pow2 = (bs & (bs - 1)) == 0;
-    const uint32_t bs_shift = (uint32_t)(__ffs((int)bs) - 1);
-    auto block_of = [&](uint32_t p, uint32_t& q) -> uint32_t {
-        if constexpr (!MMA) return p < p1 ? tab[p / bs] : 0xffffffffu;  // the original form
-        if (p >= p1) return 0xffffffffu;
-        q = bs_pow2 ? p >> bs_shift : p / bs;
-        return tab[q];
-    };
+    const SeqBlocks<MMA> blocks(tables + (size_t)b * max_blocks, (uint32_t)block_size, p1,
+                                (uint32_t)num_blocks, nkv, (uint32_t)kh);
     // qsum per group (tensor-core path), for the bias term; the warp's softmax state.
     float qsg[NG], m_w[QG], l_w[QG], acc[S::AR][8], accb[S::AR];
     float cv[S::CR][4], accb_c = 0.f;  // tensor-core V: C tiles, bias of column gq
@@ -156,26 +175,16 @@ __device__ __forceinline__ void qdecode_impl(
     if (!bad_seq) {
         uint32_t t0 = p0 + (uint32_t)warp * 32;
         const uint32_t stride = QW * 32;
-        // Position p's head row, if it is inside the split and its block is in the pool.
-        auto locate = [&](uint32_t p, uint32_t blk, uint32_t q, uint32_t& hr) -> bool {
-            if (p >= p1) return false;
-            if (blk >= nblk) {
-                bad_row = true;
-                return false;
-            }
-            hr = (blk * bs + (MMA ? p - q * bs : p % bs)) * nkv + kh;
-            return true;
-        };
         unsigned short sreg[4] = {0, 0, 0, 0};
         auto stage = [&](int buf, uint32_t hr, bool ok) {
             warp_stage<T, B, D, GS>(stage_s + (warp * 2 + buf) * STG, lane, hr, ok, kcb, vcb, ks,
                                     kb, vs, vb, sreg);
         };
         uint32_t q0 = 0, q1 = 0;
-        uint32_t blk1 = block_of(t0 + stride + lane, q1);
-        const uint32_t blk0 = block_of(t0 + lane, q0);
+        uint32_t blk1 = blocks.block_of(t0 + stride + lane, q1);
+        const uint32_t blk0 = blocks.block_of(t0 + lane, q0);
         uint32_t hrow = 0;
-        bool valid = locate(t0 + lane, blk0, q0, hrow);
+        bool valid = blocks.locate(t0 + lane, blk0, q0, hrow, bad_row);
         int buf = 0;
         if constexpr (MMA) stage(0, hrow, valid);
         for (; t0 < p1; t0 += stride) {
@@ -183,8 +192,8 @@ __device__ __forceinline__ void qdecode_impl(
             // The next tile: located now (its block ids were read a tile ago), staged (tensor
             // cores) or asked into L2 (SIMT); the block ids of the one after.
             uint32_t hrow_n = 0;
-            const bool valid_n = locate(p + stride, blk1, q1, hrow_n);
-            blk1 = block_of(p + 2 * stride, q1);
+            const bool valid_n = blocks.locate(p + stride, blk1, q1, hrow_n, bad_row);
+            blk1 = blocks.block_of(p + 2 * stride, q1);
             const unsigned char* st = stage_s + (warp * 2 + buf) * STG;
             unsigned vmask = 0;
             if constexpr (MMA) {

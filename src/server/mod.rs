@@ -121,9 +121,10 @@ pub fn serve(opts: ServeOptions, load: Loader) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {addr} (--host/--port)"))?;
         let local: SocketAddr = listener.local_addr()?;
+        let signals = StopSignals::new().context("cannot catch Ctrl-C / SIGTERM")?;
         eprintln!("kvq serve: listening on http://{local}");
         axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
+            .with_graceful_shutdown(shutdown_signal(signals))
             .await
             .context("the HTTP server failed")
     })?;
@@ -143,40 +144,56 @@ impl Drop for Alive {
     }
 }
 
+/// Ctrl-C (SIGINT) and SIGTERM, caught from the moment this is made: it is made before the
+/// server says it listens, so a signal sent right after that line stops the server gracefully
+/// instead of taking the default action (an immediate kill).
+struct StopSignals {
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Registers the handlers (inside the runtime).
+    fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                int: signal(SignalKind::interrupt())?,
+                term: signal(SignalKind::terminate())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// The next Ctrl-C or SIGTERM.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
 /// Resolves on the first Ctrl-C (or SIGTERM, what service managers send): the server then
 /// takes no new connections and lets the requests in flight finish. A second signal ends the
 /// process at once — a long stream must not keep a server that was asked to stop alive.
-async fn shutdown_signal() {
-    stop_signal().await;
+async fn shutdown_signal(mut signals: StopSignals) {
+    signals.next().await;
     eprintln!(
         "kvq serve: stopping: no new requests, those in flight finish (Ctrl-C again to stop now)"
     );
-    tokio::spawn(async {
-        stop_signal().await;
+    tokio::spawn(async move {
+        signals.next().await;
         eprintln!("kvq serve: stopped with requests in flight");
         std::process::exit(130);
     });
-}
-
-/// The next Ctrl-C or SIGTERM.
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

@@ -377,13 +377,16 @@ impl QuantSchemeArg {
 }
 
 impl KvArgs {
-    /// The flags as the cache's plain options, for a model run with `model`'s flags (the
-    /// dense dtype's default is its --dtype, else f16).
-    pub fn options(&self, model: &ModelArgs) -> KvOptions {
-        let dense = self
-            .kv_dtype
+    /// The dtype of dense pools for a model run with `model`'s flags: --kv-dtype, else its
+    /// --dtype, else f16.
+    pub fn dense_dtype(&self, model: &ModelArgs) -> DType {
+        self.kv_dtype
             .or(model.dtype)
-            .map_or(DType::F16, DTypeArg::dtype);
+            .map_or(DType::F16, DTypeArg::dtype)
+    }
+
+    /// The flags as the cache's plain options, for a model run with `model`'s flags.
+    pub fn options(&self, model: &ModelArgs) -> KvOptions {
         KvOptions {
             bits: self.kv_bits,
             key_bits: self.kv_key_bits,
@@ -394,7 +397,7 @@ impl KvArgs {
             max_kv_size: self.max_kv_size,
             block_size: self.kv_block_size,
             scheme: self.kv_quant_scheme.map(QuantSchemeArg::scheme),
-            dense_dtype: Some(dense),
+            dense_dtype: Some(self.dense_dtype(model)),
         }
     }
 }

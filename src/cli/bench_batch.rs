@@ -181,10 +181,9 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     Ok(())
 }
 
-/// "f16 (dense)", "4-bit K / 4-bit V (rotated)" and the like, from the flags alone.
+/// "dense f16", "4-bit K / 4-bit V, group 64, rotated" and the like, from the flags alone.
 fn kv_description(kv: &KvArgs, model: &ModelArgs) -> String {
-    let opts = kv.options(model);
-    match opts.quant_formats() {
+    match kv.options(model).quant_formats() {
         Ok(Some((k, v))) => format!(
             "{}-bit K / {}-bit V, group {}{}",
             k.bits(),
@@ -194,10 +193,7 @@ fn kv_description(kv: &KvArgs, model: &ModelArgs) -> String {
                 .map(|s| format!(", {}", s.scheme().name()))
                 .unwrap_or_default()
         ),
-        _ => format!(
-            "dense {}",
-            opts.dense_dtype.map_or("(compute dtype)", |d| d.as_str())
-        ),
+        _ => format!("dense {}", kv.dense_dtype(model).as_str()),
     }
 }
 

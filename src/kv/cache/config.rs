@@ -426,15 +426,20 @@ impl CacheConfig {
 mod tests {
     use super::*;
 
-    #[test]
-    fn quantized_caches_store_16_bit_scales_whatever_the_compute_dtype() {
-        let shape = ModelShape {
+    /// Two global layers of 3 KV heads × 64.
+    fn shape() -> ModelShape {
+        ModelShape {
             num_layers: 2,
             num_kv_heads: 3,
             head_dim: 64,
             layer_windows: Vec::new(),
             max_positions: 4096,
-        };
+        }
+    }
+
+    #[test]
+    fn quantized_caches_store_16_bit_scales_whatever_the_compute_dtype() {
+        let shape = shape();
         let opts = KvOptions {
             bits: Some(4),
             ..KvOptions::default()
@@ -460,13 +465,7 @@ mod tests {
     /// cache; the scales of its quantized layers still follow the compute dtype.
     #[test]
     fn dense_pools_take_the_dense_dtype() {
-        let shape = ModelShape {
-            num_layers: 2,
-            num_kv_heads: 3,
-            head_dim: 64,
-            layer_windows: Vec::new(),
-            max_positions: 4096,
-        };
+        let shape = shape();
         let sizing = PoolSizing::Sequences {
             tokens: 256,
             max_batch: 2,

@@ -303,13 +303,62 @@ impl SamplingArgs {
     }
 }
 
+/// `--kv-bits`: one width for K and V, or an average with a half whose keys are one bit wider
+/// than its values (3.5 = 4-bit K / 3-bit V). Whole widths are checked where the format is made
+/// (the message names the allowed widths); an average is checked here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvBitsArg {
+    pub key: u32,
+    pub value: u32,
+}
+
+impl KvBitsArg {
+    /// The setting as a JSON number: the width, or the average (3.5).
+    pub fn json(self) -> serde_json::Value {
+        if self.key == self.value {
+            serde_json::json!(self.key)
+        } else {
+            serde_json::json!(f64::from(self.key + self.value) / 2.0)
+        }
+    }
+}
+
+impl std::str::FromStr for KvBitsArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let t = s.trim();
+        let bad = || {
+            format!(
+                "'{t}' is not a KV width: allowed 2, 3, 4, 5, 6, 8, or the averages 2.5, 3.5, 4.5, \
+                 5.5 (keys one bit wider than values)"
+            )
+        };
+        match t.strip_suffix(".5") {
+            Some(whole) => match whole.parse::<u32>() {
+                Ok(v) if (2..=5).contains(&v) => Ok(Self {
+                    key: v + 1,
+                    value: v,
+                }),
+                _ => Err(bad()),
+            },
+            None => t
+                .parse::<u32>()
+                .map(|b| Self { key: b, value: b })
+                .map_err(|_| bad()),
+        }
+    }
+}
+
 /// KV cache layout and format.
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
     /// Quantize the KV cache to this many bits per value (2, 3, 4, 5, 6 or 8; affine groups,
-    /// MLX-compatible). Absent: a dense cache (--kv-dtype).
+    /// MLX-compatible), or to an average of 2.5, 3.5, 4.5 or 5.5: keys one bit wider than values
+    /// (3.5 = 4-bit K / 3-bit V), the split that measures best, since keys are the sensitive
+    /// half. Absent: a dense cache (--kv-dtype).
     #[arg(long, value_name = "BITS")]
-    pub kv_bits: Option<u32>,
+    pub kv_bits: Option<KvBitsArg>,
 
     /// Bits of the keys only (overrides --kv-bits for K). Keys are the sensitive half: on the
     /// default model 6-bit keys with 4-bit values lose about what 8-bit does.
@@ -387,9 +436,11 @@ impl KvArgs {
 
     /// The flags as the cache's plain options, for a model run with `model`'s flags.
     pub fn options(&self, model: &ModelArgs) -> KvOptions {
+        // An average names the values' width; its wider key width is a default --kv-key-bits.
+        let wider_key = self.kv_bits.filter(|b| b.key != b.value).map(|b| b.key);
         KvOptions {
-            bits: self.kv_bits,
-            key_bits: self.kv_key_bits,
+            bits: self.kv_bits.map(|b| b.value),
+            key_bits: self.kv_key_bits.or(wider_key),
             value_bits: self.kv_value_bits,
             group_size: self.kv_group_size,
             quantized_kv_start: self.quantized_kv_start,
@@ -446,4 +497,48 @@ pub fn check_cache_memory(cfg: &crate::kv::cache::CacheConfig, device: &Device) 
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        kv: KvArgs,
+        #[command(flatten)]
+        model: ModelArgs,
+    }
+
+    fn options(args: &[&str]) -> std::result::Result<KvOptions, clap::Error> {
+        let f = Flags::try_parse_from(std::iter::once("kvq").chain(args.iter().copied()))?;
+        Ok(f.kv.options(&f.model))
+    }
+
+    /// An average names keys one bit wider than values; an explicit per-side width still wins;
+    /// whole widths pass through unchanged (checked where the format is made).
+    #[test]
+    fn kv_bits_take_whole_widths_and_half_averages() {
+        let o = options(&["--kv-bits", "3.5"]).unwrap();
+        assert_eq!((o.bits, o.key_bits, o.value_bits), (Some(3), Some(4), None));
+        let (k, v) = o.quant_formats().unwrap().unwrap();
+        assert_eq!((k.bits(), v.bits()), (4, 3));
+        let o = options(&["--kv-bits", "4.5", "--kv-key-bits", "8"]).unwrap();
+        assert_eq!((o.bits, o.key_bits), (Some(4), Some(8)));
+        let o = options(&["--kv-bits", "4"]).unwrap();
+        assert_eq!((o.bits, o.key_bits, o.value_bits), (Some(4), None, None));
+        assert_eq!(options(&["--kv-bits", "2.5"]).unwrap().key_bits, Some(3));
+        assert_eq!(options(&["--kv-bits", "5.5"]).unwrap().key_bits, Some(6));
+        for bad in ["1.5", "6.5", "3.25", "4.0", "x", ""] {
+            let e = options(&["--kv-bits", bad]).expect_err(bad).to_string();
+            assert!(e.contains("--kv-bits") && e.contains("3.5"), "{bad}: {e}");
+        }
+        let j = |s: &str| s.parse::<KvBitsArg>().unwrap().json();
+        assert_eq!(
+            (j("3.5"), j("8")),
+            (serde_json::json!(3.5), serde_json::json!(8))
+        );
+    }
 }

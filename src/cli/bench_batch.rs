@@ -151,7 +151,7 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
                 "device": args.device.device,
                 "dtype": dtype,
                 "kv_cache": kv_desc,
-                "kv_bits": args.kv.kv_bits,
+                "kv_bits": args.kv.kv_bits.map(|b| b.json()),
                 "kv_key_bits": args.kv.kv_key_bits,
                 "kv_value_bits": args.kv.kv_value_bits,
                 "prefill_chunk": args.prefill_chunk,

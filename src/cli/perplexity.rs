@@ -51,9 +51,10 @@ pub struct PerplexityArgs {
     pub chunk: usize,
 
     /// KV settings to compare, comma-separated, the reference first: `f32`, `f16`, `bf16` (a
-    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG], BITS being one width or
-    /// KEY/VALUE widths (e.g. `4`, `4:affine`, `3:g32`, `6/4`; scheme and group default to
-    /// --kv-quant-scheme / --kv-group-size).
+    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG], BITS being one width, an
+    /// average as --kv-bits takes it (`3.5` = 4-bit K / 3-bit V) or KEY/VALUE widths (e.g. `4`,
+    /// `4:affine`, `3:g32`, `6/4`; scheme and group default to --kv-quant-scheme /
+    /// --kv-group-size).
     /// Divergences are measured against the first entry; if it is not dense, a dense cache in
     /// the compute dtype is added in front. Without --compare: the dense cache and the setting
     /// given by --kv-bits (and the other KV flags).
@@ -97,7 +98,8 @@ fn parse_specs(list: &str) -> Result<Vec<Spec>> {
             parse_spec(item).with_context(|| {
                 format!(
                     "--compare: '{item}' is not a KV setting (allowed: f32, f16, bf16, or \
-                     BITS[:affine|:rotated][:gG] with BITS one of 2,3,4,5,6,8 or KEY/VALUE bits)"
+                     BITS[:affine|:rotated][:gG] with BITS one of 2,3,4,5,6,8, an average 2.5-5.5 \
+                     or KEY/VALUE bits)"
                 )
             })
         })
@@ -115,7 +117,10 @@ fn parse_spec(item: &str) -> Result<Spec> {
     let width = parts.next().unwrap_or_default();
     let bits = match width.split_once('/') {
         Some((k, v)) => (k.parse()?, v.parse()?),
-        None => (width.parse()?, width.parse()?),
+        None => {
+            let b: crate::cli::args::KvBitsArg = width.parse().map_err(anyhow::Error::msg)?;
+            (b.key, b.value)
+        }
     };
     let (mut scheme, mut group) = (None, None);
     for p in parts {
@@ -415,8 +420,18 @@ mod tests {
                 group: None
             }
         );
+        assert_eq!(
+            parse_specs("3.5:g32").unwrap()[0],
+            Spec::Quant {
+                bits: (4, 3),
+                scheme: None,
+                group: Some(32)
+            }
+        );
         for bad in [
             "q4",
+            "6.5",
+            "3.25",
             "4:fast",
             "4:g",
             "f8",

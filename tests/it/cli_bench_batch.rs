@@ -122,6 +122,25 @@ fn ctx_size_replaces_the_context_window() {
     );
 }
 
+/// `--kv-bits 3.5` is 4-bit keys with 3-bit values: the cache the two per-side flags make, in
+/// fewer bytes than 4-bit and more than 3-bit.
+#[test]
+fn a_half_average_makes_keys_one_bit_wider_than_values() {
+    let avg = run_json(&["--kv-bits", "3.5"]);
+    let sides = run_json(&["--kv-key-bits", "4", "--kv-value-bits", "3"]);
+    assert_eq!(avg["config"]["kv_bits"], 3.5);
+    assert_eq!(avg["config"]["kv_cache"], sides["config"]["kv_cache"]);
+    let label = avg["config"]["kv_cache"].as_str().unwrap();
+    assert!(
+        label.contains("4-bit K") && label.contains("3-bit V"),
+        "{label}"
+    );
+    let bytes = |v: &Value| v["rows"][1]["kv_bytes"].as_u64().unwrap();
+    let (q4, q3) = (run_json(&["--kv-bits", "4"]), run_json(&["--kv-bits", "3"]));
+    assert_eq!(bytes(&avg), bytes(&sides));
+    assert!(bytes(&q3) < bytes(&avg) && bytes(&avg) < bytes(&q4));
+}
+
 #[test]
 fn bad_values_are_refused_with_the_flag_named() {
     for (args, want) in [
@@ -142,4 +161,9 @@ fn bad_values_are_refused_with_the_flag_named() {
         assert!(e.contains(want), "{args:?}: {e}");
         assert_eq!(e.trim().lines().count(), 1, "{args:?}: not one line: {e}");
     }
+    // Refused by the flag's parser (clap's message, with its hint line).
+    let out = kvq(&["bench-batch", "--no-warmup", "--kv-bits", "6.5"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("--kv-bits") && e.contains("3.5"), "{e}");
 }

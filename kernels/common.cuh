@@ -54,6 +54,15 @@ __device__ __forceinline__ void pdl_start() {
     pdl_wait();
 }
 
+// The gated unit's activation of the gate value g: GELU (tanh approximation) or SiLU, in f32.
+__device__ __forceinline__ float gate_act(float g, int gelu) {
+    if (gelu) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        return 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
+    }
+    return g / (1.f + expf(-g));
+}
+
 template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }

@@ -97,14 +97,7 @@ __device__ __forceinline__ void glu(const T* __restrict__ gu, T* __restrict__ y,
     if (idx >= n) return;
     const size_t t = idx / ff, j = idx % ff;
     const float g = to_f(gu[t * 2 * ff + j]), u = to_f(gu[t * 2 * ff + ff + j]);
-    float a;
-    if (gelu) {
-        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-        a = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
-    } else {
-        a = g / (1.f + expf(-g));
-    }
-    y[idx] = from_f<T>(a * u);
+    y[idx] = from_f<T>(gate_act(g, gelu) * u);
 }
 
 #define KVQ_FUSED(TNAME, T)                                                                         \

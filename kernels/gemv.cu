@@ -220,15 +220,7 @@ __device__ __forceinline__ void gemv_store(float s0, float s1, int r, int o0, in
     const T t0 = from_f<T>(s0), t1 = from_f<T>(s1);
     const size_t at = (size_t)r * outs;
     if (mode == 2) {
-        const float g = to_f(t0), up = to_f(t1);
-        float act;
-        if (gelu) {
-            const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-            act = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
-        } else {
-            act = g / (1.f + expf(-g));
-        }
-        static_cast<T*>(y)[at + o0] = from_f<T>(act * up);
+        static_cast<T*>(y)[at + o0] = from_f<T>(gate_act(to_f(t0), gelu) * to_f(t1));
     } else if (mode == 3) {
         static_cast<float*>(y)[at + o0] = to_f(t0);
         if (o1 != o0) static_cast<float*>(y)[at + o1] = to_f(t1);

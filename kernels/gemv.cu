@@ -18,13 +18,12 @@
 #include "common.cuh"
 
 constexpr int GEMV_WARPS = 4;
-constexpr int GEMV_UNROLL = 4;
+constexpr int GEMV_UNROLL = 6;
 
-// Chunks of 8 inputs per thread the prologue keeps in flight (K up to 8 * 128 * 2 = 2048 in one
+// Chunks of 8 inputs per thread the prologue keeps in flight (K up to 8 * 128 * 4 = 4096 in one
 // round trip to L2: the prologue is latency-bound, one dependent load per loop step made it half
-// of a small projection's time; 4 in flight held so many registers that a block of a one- or
-// two-row projection needed ~125, and 4 blocks per SM could not stream the weights).
-constexpr int GEMV_PU = 2;
+// of a small projection's time).
+constexpr int GEMV_PU = 4;
 
 // Stores 8 values of T (16 bytes).
 template <typename T>
@@ -53,10 +52,6 @@ __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a
     __shared__ float part[R][GEMV_WARPS];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int nt = blockDim.x, K8 = K / 8;
-    // The norm weights' first chunks are fetched with the inputs (one round trip to L2, not two);
-    // K <= 8 * 128 * GEMV_PU covers every chunk.
-    uint4 vw0[GEMV_PU];
-    if (norm_w != nullptr) load_chunks(norm_w, tid, nt, K8, vw0);
     float ss[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -110,12 +105,7 @@ __device__ __forceinline__ void gemv_prologue(float* xs, const T* __restrict__ a
         const float scale = rsqrtf(t / K + eps);
         for (int c0 = tid; c0 < K8; c0 += nt * GEMV_PU) {
             uint4 vw[GEMV_PU];
-            if (c0 == tid) {
-#pragma unroll
-                for (int u = 0; u < GEMV_PU; u++) vw[u] = vw0[u];
-            } else {
-                load_chunks(norm_w, c0, nt, K8, vw);
-            }
+            load_chunks(norm_w, c0, nt, K8, vw);
 #pragma unroll
             for (int u = 0; u < GEMV_PU; u++) {
                 const int c = c0 + u * nt;
@@ -193,52 +183,6 @@ __device__ __forceinline__ void dot_pair(const float* xs, const T* __restrict__ 
     }
 }
 
-// The two weight rows of unit `unit` by mode (-1 when past the last): a gate row and its up row,
-// or two neighbouring outputs.
-__device__ __forceinline__ void unit_rows(int unit, int N, int mode, int& o0, int& o1) {
-    o0 = o1 = -1;
-    if (mode == 2) {
-        if (unit < N / 2) {
-            o0 = unit;
-            o1 = unit + N / 2;
-        }
-    } else if (2 * unit < N) {
-        o0 = 2 * unit;
-        o1 = o0 + 1 < N ? o0 + 1 : o0;
-    }
-}
-
-// Row r's outputs o0 and o1 from their sums (every lane holds them), written by lane r % 32.
-template <typename T>
-__device__ __forceinline__ void gemv_store(float s0, float s1, int r, int o0, int o1,
-                                           const T* __restrict__ bias, const T* __restrict__ res,
-                                           void* __restrict__ y, int outs, int mode, int gelu) {
-    if (bias != nullptr) {
-        s0 += to_f(bias[o0]);
-        s1 += to_f(bias[o1]);
-    }
-    const T t0 = from_f<T>(s0), t1 = from_f<T>(s1);
-    const size_t at = (size_t)r * outs;
-    if (mode == 2) {
-        static_cast<T*>(y)[at + o0] = from_f<T>(gate_act(to_f(t0), gelu) * to_f(t1));
-    } else if (mode == 3) {
-        static_cast<float*>(y)[at + o0] = to_f(t0);
-        if (o1 != o0) static_cast<float*>(y)[at + o1] = to_f(t1);
-    } else {
-        T* out = static_cast<T*>(y);
-        if (mode == 1) {
-            out[at + o0] = from_f<T>(to_f(t0) + to_f(res[at + o0]));
-            if (o1 != o0) out[at + o1] = from_f<T>(to_f(t1) + to_f(res[at + o1]));
-        } else {
-            out[at + o0] = t0;
-            if (o1 != o0) out[at + o1] = t1;
-        }
-    }
-}
-
-// A warp computes units (two weight rows each) unit, unit + the grid's warps, ...: the host caps
-// the grid (a large projection such as the logits' has tens of thousands of units), so each
-// block stages and normalizes the input rows once for many units.
 template <typename T, int R>
 __device__ __forceinline__ void gemv(const T* __restrict__ a, const T* __restrict__ res_in,
                                      const T* __restrict__ norm_w, float eps, T* __restrict__ s_out,
@@ -248,22 +192,59 @@ __device__ __forceinline__ void gemv(const T* __restrict__ a, const T* __restric
     extern __shared__ float xs[];
     pdl_trigger();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int unit = blockIdx.x * GEMV_WARPS + warp;
+    // Two weight rows per warp: a gate row and its up row, or two neighbouring outputs.
     const int outs = mode == 2 ? N / 2 : N;
-    const int step = gridDim.x * GEMV_WARPS;
-    int unit = blockIdx.x * GEMV_WARPS + warp, o0, o1;
-    unit_rows(unit, N, mode, o0, o1);
+    int o0 = -1, o1 = -1;
+    if (mode == 2) {
+        if (unit < outs) {
+            o0 = unit;
+            o1 = unit + outs;
+        }
+    } else if (2 * unit < N) {
+        o0 = 2 * unit;
+        o1 = o0 + 1 < N ? o0 + 1 : o0;
+    }
     WeightBatch wb;
     if (o0 >= 0) load_batch<T>(w, o0, o1, K, lane, wb);
     pdl_wait();
     gemv_prologue<T, R>(xs, a, res_in, norm_w, eps, s_out, rows, K);
-    for (; o0 >= 0; unit += step, unit_rows(unit, N, mode, o0, o1)) {
-        if (unit >= step) load_batch<T>(w, o0, o1, K, lane, wb);
-        float acc0[R], acc1[R];
-        dot_pair<T, R>(xs, w, o0, o1, rows, K, wb, acc0, acc1);
+    if (o0 < 0) return;
+    float acc0[R], acc1[R];
+    dot_pair<T, R>(xs, w, o0, o1, rows, K, wb, acc0, acc1);
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (r >= rows) break;
-            if (lane == r % 32) gemv_store<T>(acc0[r], acc1[r], r, o0, o1, bias, res, y, outs, mode, gelu);
+    for (int r = 0; r < R; r++) {
+        if (r >= rows) break;
+        if (lane != r % 32) continue;
+        float s0 = acc0[r], s1 = acc1[r];
+        if (bias != nullptr) {
+            s0 += to_f(bias[o0]);
+            s1 += to_f(bias[o1]);
+        }
+        const T t0 = from_f<T>(s0), t1 = from_f<T>(s1);
+        const size_t at = (size_t)r * outs;
+        if (mode == 2) {
+            const float g = to_f(t0), up = to_f(t1);
+            float act;
+            if (gelu) {
+                const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+                act = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
+            } else {
+                act = g / (1.f + expf(-g));
+            }
+            static_cast<T*>(y)[at + o0] = from_f<T>(act * up);
+        } else if (mode == 3) {
+            static_cast<float*>(y)[at + o0] = to_f(t0);
+            if (o1 != o0) static_cast<float*>(y)[at + o1] = to_f(t1);
+        } else {
+            T* out = static_cast<T*>(y);
+            if (mode == 1) {
+                out[at + o0] = from_f<T>(to_f(t0) + to_f(res[at + o0]));
+                if (o1 != o0) out[at + o1] = from_f<T>(to_f(t1) + to_f(res[at + o1]));
+            } else {
+                out[at + o0] = t0;
+                if (o1 != o0) out[at + o1] = t1;
+            }
         }
     }
 }
@@ -322,19 +303,14 @@ __device__ __forceinline__ void gemv_rope(const T* __restrict__ a, const T* __re
     }
 }
 
-// Resident blocks asked of the compiler per SM (registers per thread <= 65536 / (128 * n)): at one
-// and two rows 8 (64 registers), so 32 warps per SM keep weight loads in flight.
-#define GEMV_MIN_BLOCKS(R) ((R) <= 2 ? 6 : 1)
-
 #define KVQ_GEMV(TNAME, T, R)                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS(R))            \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                 \
         gemv_##TNAME##_##R(const T* a, const T* res_in, const T* norm_w, float eps, T* s_out,     \
                            const T* w, const T* bias, const T* res, void* y, int rows, int K,     \
                            int N, int mode, int gelu) {                                           \
         gemv<T, R>(a, res_in, norm_w, eps, s_out, w, bias, res, y, rows, K, N, mode, gelu);       \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS(R))             \
-        gemv_rope_##TNAME##_##R(                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope_##TNAME##_##R(        \
         const T* a, const T* res_in, const T* norm_w, float eps, T* s_out, const T* w,            \
         const T* bias, const uint32_t* pos, const float* cos, const float* sin,                   \
         const uint32_t* slots, T* q_out, T* k_out, T* v_out, int rows, int K, int heads,          \

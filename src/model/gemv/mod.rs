@@ -12,8 +12,11 @@
 //!
 //! When: by default for steps of one row only — measured on an H100 (default model, 512 × 1,
 //! 128 new tokens) a one-sequence step runs 184 kernels instead of 306 and decodes 5–25% faster,
-//! while at 4 to 8 rows the kernels lose to cuBLAS (8 rows: 4.5K tok/s against 7.0K) and at two
-//! rows it depends on the model (default model +20%; Qwen3-0.6B's shape at 50K context −2.5%).
+//! while from 4 rows on the kernels lose to cuBLAS (8 rows: 4.2K tok/s against 6.9–7.2K) and at
+//! two rows it depends on the model (default model 2.13–2.18K against 1.66–1.75K; Qwen3-0.6B's
+//! shape at 50K context 466.5 against 486.5, where cuBLAS streams the larger weights better).
+//! A variant with one wave of blocks looping over units, 6 blocks per SM and fewer loads in
+//! flight per thread was faster at 2–8 rows but 1–4% slower at one row, so it was not kept.
 //! `KVQ_GPU_GEMV` (read once per process) sets the most rows: `off`, `on` (all 8), or a number.
 //! The kernels are tested against the unfused ops by this module's CUDA tests and the engine's
 //! graph-vs-eager test (tests/it/cuda_graphs.rs) runs with them on and off.
@@ -163,9 +166,7 @@ pub fn project_rope(
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Epilogue, RopeOut, MAX_ROWS, SHARED_BYTES};
-    use crate::device::kernels::{
-        aligned, cuda_device, kernel, resident_blocks, sm_count, view, wrap, Kernel, Module,
-    };
+    use crate::device::kernels::{aligned, cuda_device, kernel, view, wrap, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -253,11 +254,8 @@ mod cuda {
             })
         }
 
-        /// Kernel `op` for these rows' dtype and row bucket, and its launch over `units` warps:
-        /// a block per four units, or with `one_wave` at most the blocks resident at once (the
-        /// kernel's warps then loop over units, so a projection of tens of thousands of units,
-        /// the logits', normalizes the input rows once per block, not once per eight outputs).
-        fn kernel(&self, op: &str, units: usize, one_wave: bool) -> Result<(Kernel, LaunchConfig)> {
+        /// Kernel `op` for these rows' dtype and row bucket, and its launch over `units` warps.
+        fn kernel(&self, op: &str, units: usize) -> Result<(Kernel, LaunchConfig)> {
             let suffix = match self.x.dtype() {
                 DType::F16 => "f16",
                 DType::BF16 => "bf16",
@@ -267,18 +265,10 @@ mod cuda {
             let name = format!("{op}_{suffix}_{r}");
             let f = kernel(&self.dev, Module::Gemv, &name)?;
             allow_shared(&f, &format!("{:?}/{name}", self.dev.id()))?;
-            let smem = self.rows * self.k * 4;
-            let mut blocks = units.div_ceil(WARPS);
-            if one_wave {
-                let key = format!("gemv/{name}/{smem}@{:?}", self.dev.id());
-                let threads = WARPS as u32 * 32;
-                let resident = resident_blocks(&f, &key, threads, smem, false)?;
-                blocks = blocks.min(resident * sm_count(&self.dev));
-            }
             let cfg = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
+                grid_dim: (units.div_ceil(WARPS) as u32, 1, 1),
                 block_dim: (WARPS as u32 * 32, 1, 1),
-                shared_mem_bytes: smem as u32,
+                shared_mem_bytes: (self.rows * self.k * 4) as u32,
             };
             Ok((f, cfg))
         }
@@ -367,7 +357,7 @@ mod cuda {
             Epilogue::Add(r) => Some(same(r, &[rows, outs], dtype, "output residual")?),
             _ => None,
         };
-        let (f, cfg) = inp.kernel("gemv", units, true)?;
+        let (f, cfg) = inp.kernel("gemv", units)?;
         let ints = [int(rows, "rows")?, int(inp.k, "in")?, int(n, "out")?];
         let gelu_i = i32::from(gelu);
         let null = 0u64;
@@ -432,7 +422,7 @@ mod cuda {
                 return Err(err("pools or slots do not fit".into()));
             }
         }
-        let (f, cfg) = inp.kernel("gemv_rope", n / 2, false)?;
+        let (f, cfg) = inp.kernel("gemv_rope", n / 2)?;
         let ints = [
             int(rows, "rows")?,
             int(inp.k, "in")?,

@@ -35,7 +35,7 @@ fn max_err(a: &Tensor, b: &Tensor) -> f32 {
 
 /// Every epilogue, with and without the norm prologue and a bias, rows 1..=8, against the
 /// unfused ops; each row's result does not depend on the other rows of the call. 256 x 20000
-/// has more units than one wave of blocks holds, so warps loop over several units.
+/// is a logits-like shape: thousands of blocks, several waves.
 #[test]
 fn fused_projection_matches_unfused_ops_and_rows_are_independent() {
     let dev = Device::new_cuda(0).expect("a CUDA device");

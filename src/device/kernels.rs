@@ -81,15 +81,13 @@ pub(crate) fn sm_count(dev: &CudaDevice) -> usize {
 }
 
 /// Blocks of `threads` threads of `f` resident per SM with `smem` bytes of dynamic shared memory
-/// (registers and shared memory decide), asked once per `key` (device, kernel and sizes). With
-/// `allow`, `f` is first allowed `smem` bytes of dynamic shared memory (also once); without, it
-/// must be already.
+/// (registers and shared memory decide), asked once per `key` (device, kernel and sizes); `f` is
+/// allowed `smem` bytes of dynamic shared memory then.
 pub(crate) fn resident_blocks(
     f: &CudaFunction,
     key: &str,
     threads: u32,
     smem: usize,
-    allow: bool,
 ) -> Result<usize> {
     static N: OnceLock<Mutex<HashMap<String, usize>>> = OnceLock::new();
     let mut m = N
@@ -99,7 +97,7 @@ pub(crate) fn resident_blocks(
     if let Some(&n) = m.get(key) {
         return Ok(n);
     }
-    if allow {
+    if smem > 0 {
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,

@@ -339,7 +339,7 @@ pub(super) fn decode(
         // One full wave of blocks (the kernel is allowed its staging's shared memory here); two
         // or four waves of shorter splits measured slower (seed-002 4-bit: 512 → 449 / 396 tok/s).
         let key = format!("decode/{}@{:?}", choice.name, cdev.id());
-        resident_blocks(&f, &key, THREADS, choice.smem, choice.smem > 0)? * sm_count(cdev)
+        resident_blocks(&f, &key, THREADS, choice.smem)? * sm_count(cdev)
     } else {
         TARGET_BLOCKS
     };

@@ -18,7 +18,7 @@ use indicatif::ProgressBar;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::args::{DeviceArgs, KvArgs, LoadFormat, ModelArgs};
+use super::args::{DeviceArgs, KvArgs, KvBitsArg, LoadFormat, ModelArgs};
 use crate::bench::perplexity::{evaluate, Options, Report, Setting};
 use crate::kv::cache::{KvOptions, PoolSizing, QuantScheme};
 use crate::model::llama::Llama;
@@ -118,7 +118,7 @@ fn parse_spec(item: &str) -> Result<Spec> {
     let bits = match width.split_once('/') {
         Some((k, v)) => (k.parse()?, v.parse()?),
         None => {
-            let b: crate::cli::args::KvBitsArg = width.parse().map_err(anyhow::Error::msg)?;
+            let b: KvBitsArg = width.parse().map_err(anyhow::Error::msg)?;
             (b.key, b.value)
         }
     };

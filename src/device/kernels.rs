@@ -3,7 +3,6 @@
 //! machine code matters: the driver's JIT took over a minute on the decode kernels' PTX the
 //! first time a process used them on a fresh machine.
 
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -68,49 +67,6 @@ impl std::ops::Deref for Kernel {
 }
 
 pub(crate) mod pdl;
-
-/// Streaming multiprocessors of the device (asked once; every GPU of a host is alike here).
-pub(crate) fn sm_count(dev: &CudaDevice) -> usize {
-    static N: OnceLock<usize> = OnceLock::new();
-    *N.get_or_init(|| {
-        dev.cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_or(132, |n| n.max(1) as usize)
-    })
-}
-
-/// Blocks of `threads` threads of `f` resident per SM with `smem` bytes of dynamic shared memory
-/// (registers and shared memory decide), asked once per `key` (device, kernel and sizes); `f` is
-/// allowed `smem` bytes of dynamic shared memory then.
-pub(crate) fn resident_blocks(
-    f: &CudaFunction,
-    key: &str,
-    threads: u32,
-    smem: usize,
-) -> Result<usize> {
-    static N: OnceLock<Mutex<HashMap<String, usize>>> = OnceLock::new();
-    let mut m = N
-        .get_or_init(Default::default)
-        .lock()
-        .expect("poisoned occupancy cache");
-    if let Some(&n) = m.get(key) {
-        return Ok(n);
-    }
-    if smem > 0 {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
-    }
-    let n = f
-        .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
-        .w()?
-        .max(1) as usize;
-    m.insert(key.to_string(), n);
-    Ok(n)
-}
 
 type Modules = HashMap<(DeviceId, Module), Arc<CudaModule>>;
 type Kernels = HashMap<(DeviceId, Module, String), Kernel>;

@@ -5,9 +5,7 @@
 mod plan;
 
 use super::Dims;
-use crate::device::kernels::{
-    aligned, dtype_suffix, kernel, resident_blocks, sm_count, view, Kernel, Module,
-};
+use crate::device::kernels::{aligned, dtype_suffix, kernel, view, Kernel, Module};
 use crate::kv::format::rotation::Rotation;
 use crate::kv::format::{LayerKv, QuantFormat, Quantized};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
@@ -15,7 +13,10 @@ use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
-use plan::{choose, plan, DENSE_GRANULE, MAX_HEAD_DIM, TARGET_BLOCKS, THREADS, TILE};
+use plan::{
+    choose, plan, resident_blocks, sm_count, DENSE_GRANULE, MAX_HEAD_DIM, TARGET_BLOCKS, THREADS,
+    TILE,
+};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -336,10 +337,10 @@ pub(super) fn decode(
     let f = kernel(cdev, Module::Decode, &choice.name)?;
     let dense = matches!(kv, LayerKv::Dense { .. });
     let target = if warp_kernel {
-        // One full wave of blocks (the kernel is allowed its staging's shared memory here); two
-        // or four waves of shorter splits measured slower (seed-002 4-bit: 512 → 449 / 396 tok/s).
-        let key = format!("decode/{}@{:?}", choice.name, cdev.id());
-        resident_blocks(&f, &key, THREADS, choice.smem)? * sm_count(cdev)
+        // One full wave of blocks; two or four waves of shorter splits measured slower
+        // (seed-002 4-bit: 512 → 449 / 396 tok/s).
+        let key = format!("{}@{:?}", choice.name, cdev.id());
+        resident_blocks(&f, &key, choice.smem)? * sm_count(cdev)
     } else {
         TARGET_BLOCKS
     };

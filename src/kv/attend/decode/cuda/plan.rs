@@ -5,7 +5,12 @@ use super::super::Dims;
 use super::dtype_name;
 use crate::device::kernels::decode_override;
 use crate::kv::format::LayerKv;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::CudaFunction;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Result, Tensor};
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// Must match NT, TILE and MAXG in kernels/decode/block.cuh.
 pub(super) const THREADS: u32 = 128;
@@ -36,6 +41,43 @@ pub(super) fn stage_bytes(head_dim: usize, bits: usize, group: usize, scale_byte
     let codes = head_dim * bits / 8;
     let scales = head_dim / group * scale_bytes;
     QW * 2 * 32 * (2 * codes + 4 * scales)
+}
+
+/// Streaming multiprocessors of the device (asked once; every GPU of a host is alike here).
+pub(super) fn sm_count(dev: &CudaDevice) -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    })
+}
+
+/// Blocks of a warp kernel resident per SM (registers and shared memory decide; asked once per
+/// kernel and device, which is also allowed `smem` bytes of dynamic shared memory then): its grid
+/// aims at one full wave.
+pub(super) fn resident_blocks(f: &CudaFunction, name: &str, smem: usize) -> Result<usize> {
+    static N: std::sync::OnceLock<Mutex<HashMap<String, usize>>> = std::sync::OnceLock::new();
+    let mut m = N
+        .get_or_init(Default::default)
+        .lock()
+        .expect("poisoned occupancy cache");
+    if let Some(&n) = m.get(name) {
+        return Ok(n);
+    }
+    if smem > 0 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+    }
+    let n = f
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
+        .w()? as usize;
+    m.insert(name.to_string(), n.max(1));
+    Ok(n.max(1))
 }
 
 /// Splits per (sequence, KV head) and positions per split, from the table's capacity (the

@@ -20,7 +20,7 @@ mod kernel;
 mod rows;
 
 use super::{generic, Dims, Tables};
-use crate::kv::format::LayerKv;
+use crate::kv::format::{LayerKv, QuantFormat, Quantized};
 use crate::ops::pool;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{avx2, avx512};
@@ -98,14 +98,14 @@ thread_local! {
 
 /// Runs every task of `plan` and merges the partial states into `[B, H, D]`.
 /// `views(kh)` gives the K and V rows of KV head `kh`.
-fn run<R: AnyRows>(
+fn run<K: AnyRows, V: AnyRows>(
     plan: &Plan,
     q: &[f32],
     d: &Dims,
     t: &Tables,
     group: usize,
     isa: Isa,
-    views: impl Fn(usize) -> (R, R),
+    views: impl Fn(usize) -> (K, V),
 ) -> Vec<f32> {
     let (g, hd) = (d.group, d.head_dim);
     let sh = Shape {
@@ -114,7 +114,7 @@ fn run<R: AnyRows>(
         group,
         groups: hd / group,
     };
-    let heads: Vec<(R, R)> = (0..d.kv_heads).map(views).collect();
+    let heads: Vec<(K, V)> = (0..d.kv_heads).map(views).collect();
     // Per task and KV head: [max (G) | sum (G) | weighted V (G × head_dim)].
     let stride = 2 * g + g * hd;
     let mut parts = vec![0f32; plan.tasks.len() * d.kv_heads * stride];
@@ -137,7 +137,7 @@ fn run<R: AnyRows>(
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => task_avx2(&heads, qb, slots, sh, scratch, out),
                     Isa::Portable => {
-                        kernel::task::<Portable, R>(&heads, qb, slots, sh, scratch, out)
+                        kernel::task::<Portable, K, V>(&heads, qb, slots, sh, scratch, out)
                     }
                 }
             }
@@ -175,28 +175,28 @@ fn run<R: AnyRows>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn task_avx512<R: Rows<avx512::Avx512>>(
-    heads: &[(R, R)],
+unsafe fn task_avx512<K: Rows<avx512::Avx512>, V: Rows<avx512::Avx512>>(
+    heads: &[(K, V)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    kernel::task::<avx512::Avx512, R>(heads, q, slots, sh, scratch, out)
+    kernel::task::<avx512::Avx512, K, V>(heads, q, slots, sh, scratch, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2<R: Rows<avx2::Avx2>>(
-    heads: &[(R, R)],
+unsafe fn task_avx2<K: Rows<avx2::Avx2>, V: Rows<avx2::Avx2>>(
+    heads: &[(K, V)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    kernel::task::<avx2::Avx2, R>(heads, q, slots, sh, scratch, out)
+    kernel::task::<avx2::Avx2, K, V>(heads, q, slots, sh, scratch, out)
 }
 
 /// Pool slots of the task's positions, walking its block table.
@@ -295,10 +295,14 @@ fn decode_with(
         .map(|x| x * scale)
         .collect();
     // 4-bit rows decode byte-interleaved (`simd::element`): the query is permuted to that
-    // order once here, and the output back at the end, so the kernel never permutes.
-    let interleaved = matches!(kv, LayerKv::Affine { kfmt, .. } if kfmt.bits() == 4);
+    // order once here (4-bit keys), and the output back at the end (4-bit values), so the
+    // kernel never permutes.
+    let (k4, v4) = match kv {
+        LayerKv::Affine { kfmt, vfmt, .. } => (kfmt.bits() == 4, vfmt.bits() == 4),
+        LayerKv::Dense { .. } => (false, false),
+    };
     let at = |e: usize| crate::simd::element(4, isa.lanes(), e / isa.lanes(), e % isa.lanes());
-    let qv = if interleaved {
+    let qv = if k4 {
         permute_rows(&qv, d.head_dim, |qd, qs| {
             for (i, x) in qd.iter_mut().enumerate() {
                 *x = qs[at(i)];
@@ -311,10 +315,10 @@ fn decode_with(
     let out = match kv {
         LayerKv::Dense { k, v } => dense_out(k, v, &plan, &qv, d, t, isa)?,
         LayerKv::Affine {
-            kfmt: fmt, k, v, ..
-        } => affine_out(*fmt, k, v, &plan, &qv, d, t, isa)?,
+            kfmt, vfmt, k, v, ..
+        } => affine_out((*kfmt, *vfmt), k, v, &plan, &qv, d, t, isa)?,
     };
-    let out = if interleaved {
+    let out = if v4 {
         permute_rows(&out, d.head_dim, |od, os| {
             for (i, x) in os.iter().enumerate() {
                 od[at(i)] = *x;
@@ -380,12 +384,18 @@ fn dense_out(
     })
 }
 
-/// The kernel over an affine pool (one format for K and V).
+/// Whether the fused kernel reads keys of `k` bits with values of `v` bits: one width, or keys
+/// one bit wider (the splits `--kv-bits` averages name). Other pairs take the generic path.
+pub(super) fn fused_pair(k: u32, v: u32) -> bool {
+    k == v || (k == v + 1 && (2..=5).contains(&v))
+}
+
+/// The kernel over an affine pool (K and V widths a [`fused_pair`]).
 #[allow(clippy::too_many_arguments)]
 fn affine_out(
-    fmt: crate::kv::format::QuantFormat,
-    k: &crate::kv::format::Quantized,
-    v: &crate::kv::format::Quantized,
+    (kfmt, vfmt): (QuantFormat, QuantFormat),
+    k: &Quantized,
+    v: &Quantized,
     plan: &Plan,
     qv: &[f32],
     d: &Dims,
@@ -401,50 +411,84 @@ fn affine_out(
     let [kc, ks, kb, vc, vs, vb] = ts;
     let (kc, ks, kb, vc, vs, vb) = (kc?, ks?, kb?, vc?, vs?, vb?);
     let sl = [&kc, &ks, &kb, &vc, &vs, &vb].map(|t| t.storage_and_layout());
-    let group = fmt.group_size();
-    let (row_words, row_groups) = (fmt.words_per_row(width), fmt.groups_per_row(width));
-    let (head_words, ng) = (fmt.words_per_row(d.head_dim), d.head_dim / group);
+    let group = kfmt.group_size();
+    if vfmt.group_size() != group {
+        return Err(candle_core::Error::Msg(format!(
+            "decode_attention: K groups of {group} with V groups of {}",
+            vfmt.group_size()
+        )));
+    }
+    let ng = d.head_dim / group;
+    // Per side: code words per slot and per head row, groups per slot.
+    let side = |f: QuantFormat| {
+        (
+            f.words_per_row(width),
+            f.words_per_row(d.head_dim),
+            f.groups_per_row(width),
+        )
+    };
+    let (ksz, vsz) = (side(kfmt), side(vfmt));
     macro_rules! affine {
-        ($t:ty, $b:literal) => {{
+        ($t:ty, $kb:literal, $vb:literal) => {{
             let kc = slice::<u32>(&sl[0].0, sl[0].1)?;
             let vc = slice::<u32>(&sl[3].0, sl[3].1)?;
             let params = [1, 2, 4, 5].map(|i| slice::<$t>(&sl[i].0, sl[i].1));
             let [ks, kb, vs, vb] = params;
             let (ks, kb, vs, vb) = (ks?, kb?, vs?, vb?);
-            for x in [kc, vc] {
+            for (x, (row_words, _, _)) in [(kc, ksz), (vc, vsz)] {
                 if x.len() < slots * row_words {
                     return Err(pool_err("codes", x.len(), slots * row_words));
                 }
             }
-            for x in [ks, kb, vs, vb] {
+            for (x, (_, _, row_groups)) in [(ks, ksz), (kb, ksz), (vs, vsz), (vb, vsz)] {
                 if x.len() < slots * row_groups {
                     return Err(pool_err("scales/biases", x.len(), slots * row_groups));
                 }
             }
             run(plan, qv, d, t, group, isa, |kh| {
-                let view = |codes, scales, biases| AffineRows::<$t, $b> {
-                    codes,
-                    scales,
-                    biases,
-                    row_words,
-                    head_word: kh * head_words,
-                    head_words,
-                    row_groups,
+                let k = AffineRows::<$t, $kb> {
+                    codes: kc,
+                    scales: ks,
+                    biases: kb,
+                    row_words: ksz.0,
+                    head_word: kh * ksz.1,
+                    head_words: ksz.1,
+                    row_groups: ksz.2,
                     head_group: kh * ng,
                 };
-                (view(kc, ks, kb), view(vc, vs, vb))
+                let v = AffineRows::<$t, $vb> {
+                    codes: vc,
+                    scales: vs,
+                    biases: vb,
+                    row_words: vsz.0,
+                    head_word: kh * vsz.1,
+                    head_words: vsz.1,
+                    row_groups: vsz.2,
+                    head_group: kh * ng,
+                };
+                (k, v)
             })
         }};
     }
     macro_rules! bits {
         ($t:ty) => {
-            match fmt.bits() {
-                2 => affine!($t, 2),
-                3 => affine!($t, 3),
-                4 => affine!($t, 4),
-                5 => affine!($t, 5),
-                6 => affine!($t, 6),
-                _ => affine!($t, 8),
+            match (kfmt.bits(), vfmt.bits()) {
+                (2, 2) => affine!($t, 2, 2),
+                (3, 3) => affine!($t, 3, 3),
+                (4, 4) => affine!($t, 4, 4),
+                (5, 5) => affine!($t, 5, 5),
+                (6, 6) => affine!($t, 6, 6),
+                (8, 8) => affine!($t, 8, 8),
+                (3, 2) => affine!($t, 3, 2),
+                (4, 3) => affine!($t, 4, 3),
+                (5, 4) => affine!($t, 5, 4),
+                (6, 5) => affine!($t, 6, 5),
+                (kb, vb) => {
+                    return Err(candle_core::Error::Msg(format!(
+                        "decode_attention: no fused CPU kernel for {kb}-bit keys with {vb}-bit \
+                         values"
+                    )))
+                }
             }
         };
     }

@@ -320,11 +320,17 @@ pub fn decode_attention_step(
     if dims.batch == 0 {
         return q.zeros_like();
     }
-    // The fused kernels read K and V in one format; mixed key/value widths take the generic
-    // path (still only the visible rows are dequantized).
-    let mixed = matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt);
+    // The CUDA kernels read K and V in one format, the CPU kernel also keys one bit wider than
+    // values (`cpu::fused_pair`); other mixed widths take the generic path (still only the
+    // visible rows are dequantized).
+    let cpu_fused = match kv {
+        LayerKv::Affine { kfmt, vfmt, .. } => {
+            cpu::fused_pair(kfmt.bits(), vfmt.bits()) && kfmt.group_size() == vfmt.group_size()
+        }
+        LayerKv::Dense { .. } => true,
+    };
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && !mixed {
+    if q.device().is_cuda() && !matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt) {
         return cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, rot);
     }
     let rq;
@@ -337,7 +343,7 @@ pub fn decode_attention_step(
     };
     let t = read_tables(&dims, block_tables, starts, lens, step.host)?;
     let o = match q.device() {
-        Device::Cpu if !mixed => cpu::decode(q, kv, &dims, &t, scale)?,
+        Device::Cpu if cpu_fused => cpu::decode(q, kv, &dims, &t, scale)?,
         _ => generic::decode_checked(q, kv, &dims, &t, scale)?,
     };
     match rot {

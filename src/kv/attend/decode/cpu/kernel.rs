@@ -107,8 +107,8 @@ fn reused(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// `group % (2 · S::LANES) == 0` for quantized rows, `head_dim % S::LANES == 0`, and the CPU
 /// supports `S`.
 #[inline(always)]
-pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
-    heads: &[(R, R)],
+pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>>(
+    heads: &[(K, V)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
@@ -121,21 +121,27 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
     let stride = 2 * g + g * hd;
     let scores = sized(&mut scratch.scores, kvh * g * np);
     let (k0, v0) = &heads[0];
-    let groups = k0.slot_groups();
-    let kp = reused(&mut scratch.k_params, 2 * groups * n);
-    let vp = reused(&mut scratch.v_params, 2 * groups * n);
-    if R::AFFINE {
+    let (kg, vg) = (k0.slot_groups(), v0.slot_groups());
+    let kp = reused(&mut scratch.k_params, 2 * kg * n);
+    let vp = reused(&mut scratch.v_params, 2 * vg * n);
+    if K::AFFINE || V::AFFINE {
         for (t, &s) in slots.iter().enumerate() {
             if let Some(&a) = slots.get(t + PARAMS_AHEAD) {
                 k0.prefetch_params(a as usize);
                 v0.prefetch_params(a as usize);
             }
-            k0.widen_params(s as usize, kp.as_mut_ptr().add(2 * groups * t));
-            v0.widen_params(s as usize, vp.as_mut_ptr().add(2 * groups * t));
+            k0.widen_params(s as usize, kp.as_mut_ptr().add(2 * kg * t));
+            v0.widen_params(s as usize, vp.as_mut_ptr().add(2 * vg * t));
         }
     }
-    let kp = Params { data: kp, groups };
-    let vp = Params { data: vp, groups };
+    let kp = Params {
+        data: kp,
+        groups: kg,
+    };
+    let vp = Params {
+        data: vp,
+        groups: vg,
+    };
     k_pass(heads, q, slots, sh, kp, scores);
     for (o, sc) in out
         .chunks_exact_mut(stride)
@@ -171,10 +177,10 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
             let mut j0 = 0;
             while j0 < g {
                 match g - j0 {
-                    1 => v_tile::<S, R, 1>(v, &tile, sh, j0, acc),
-                    2 => v_tile::<S, R, 2>(v, &tile, sh, j0, acc),
-                    3 => v_tile::<S, R, 3>(v, &tile, sh, j0, acc),
-                    _ => v_tile::<S, R, 4>(v, &tile, sh, j0, acc),
+                    1 => v_tile::<S, V, 1>(v, &tile, sh, j0, acc),
+                    2 => v_tile::<S, V, 2>(v, &tile, sh, j0, acc),
+                    3 => v_tile::<S, V, 3>(v, &tile, sh, j0, acc),
+                    _ => v_tile::<S, V, 4>(v, &tile, sh, j0, acc),
                 }
                 j0 += 4;
             }
@@ -185,8 +191,8 @@ pub(super) unsafe fn task<S: Simd, R: Rows<S>>(
 /// Scores of every query head against every row, `scores[(kh · G + j) · pitch + t]`: rows two at
 /// a time, every KV head of a row pair before the next pair (so slot rows are read in order).
 #[inline(always)]
-unsafe fn k_pass<S: Simd, R: Rows<S>>(
-    heads: &[(R, R)],
+unsafe fn k_pass<S: Simd, K: Rows<S>, V: Rows<S>>(
+    heads: &[(K, V)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
@@ -202,9 +208,9 @@ unsafe fn k_pass<S: Simd, R: Rows<S>>(
         // tables (scales and biases of rows without a table would not fit); two rows need 8
         // accumulators, 4 rebuilt vectors and, for affine rows, 4 scales and biases: more than
         // 16 registers hold.
-        let rw = if S::REGS >= 32 && t + 3 < n && (!R::AFFINE || R::TABLE) {
+        let rw = if S::REGS >= 32 && t + 3 < n && (!K::AFFINE || K::TABLE) {
             4
-        } else if t + 1 < n && (S::REGS >= 32 || !R::AFFINE) {
+        } else if t + 1 < n && (S::REGS >= 32 || !K::AFFINE) {
             2
         } else {
             1
@@ -218,9 +224,9 @@ unsafe fn k_pass<S: Simd, R: Rows<S>>(
             }
         }
         match rw {
-            4 => k_heads::<S, R, 4>(heads, q, slots, sh, kp, t, scores),
-            2 => k_heads::<S, R, 2>(heads, q, slots, sh, kp, t, scores),
-            _ => k_heads::<S, R, 1>(heads, q, slots, sh, kp, t, scores),
+            4 => k_heads::<S, K, V, 4>(heads, q, slots, sh, kp, t, scores),
+            2 => k_heads::<S, K, V, 2>(heads, q, slots, sh, kp, t, scores),
+            _ => k_heads::<S, K, V, 1>(heads, q, slots, sh, kp, t, scores),
         }
         t += rw;
     }
@@ -228,8 +234,8 @@ unsafe fn k_pass<S: Simd, R: Rows<S>>(
 
 /// [`k_rows`] of rows `t..t+RW` for every KV head and query head.
 #[inline(always)]
-unsafe fn k_heads<S: Simd, R: Rows<S>, const RW: usize>(
-    heads: &[(R, R)],
+unsafe fn k_heads<S: Simd, K: Rows<S>, V: Rows<S>, const RW: usize>(
+    heads: &[(K, V)],
     q: &[f32],
     slots: &[u32],
     sh: Shape,
@@ -244,10 +250,10 @@ unsafe fn k_heads<S: Simd, R: Rows<S>, const RW: usize>(
         while j0 < g {
             let qp = q.as_ptr().add((kh * g + j0) * hd);
             match g - j0 {
-                1 => k_rows::<S, R, 1, RW>(k, qp, slots, sh, kp, t, j0, sc),
-                2 => k_rows::<S, R, 2, RW>(k, qp, slots, sh, kp, t, j0, sc),
-                3 => k_rows::<S, R, 3, RW>(k, qp, slots, sh, kp, t, j0, sc),
-                _ => k_rows::<S, R, 4, RW>(k, qp, slots, sh, kp, t, j0, sc),
+                1 => k_rows::<S, K, 1, RW>(k, qp, slots, sh, kp, t, j0, sc),
+                2 => k_rows::<S, K, 2, RW>(k, qp, slots, sh, kp, t, j0, sc),
+                3 => k_rows::<S, K, 3, RW>(k, qp, slots, sh, kp, t, j0, sc),
+                _ => k_rows::<S, K, 4, RW>(k, qp, slots, sh, kp, t, j0, sc),
             }
             j0 += 4;
         }

@@ -12,8 +12,8 @@
 // Each block writes (max, sum, weighted V) for its split; decode_merge combines the splits
 // (dense pools: the last block of a head chunk does, in the same launch).
 // A sequence with start >= len, len beyond its table or a block id outside the pool gets NaN.
-// Quantized pools of one width at head_dim 64 or 128, and dense f16 / bf16 pools at 64, take the
-// warp-independent kernel instead (decode_q_*, decode_qm_*; its design: decode/warp_shape.cuh),
+// Quantized pools of one width (or keys one bit wider than values) at head_dim 64 or 128, and
+// dense f16 / bf16 pools at 64, take the warp-independent kernel instead (decode_q_*, decode_qm_*; its design: decode/warp_shape.cuh),
 // which merges the splits itself.
 //
 // The parts, in kernels/decode/: codes.cuh (codes as floats, fast exp, the rotation), block.cuh
@@ -100,6 +100,17 @@ KVQ_MERGE(bf16, __nv_bfloat16)
         qdecode_impl<T, B, D, GS>(KVQ_Q_PASS);                                                       \
     }
 
+// SIMT scores, keys one bit wider than values: decode_q_<dtype>_b<key bits>v<value bits>_d<D>.
+#define KVQ_QKV(TNAME, T, KB, VB, D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(QW * 32, 4)                                        \
+        decode_q_##TNAME##_b##KB##v##VB##_d##D(KVQ_Q_ARGS(T)) {                                       \
+        pdl_start();                                                                                \
+        qdecode_impl<T, KB, D, 0, VB>(KVQ_Q_PASS);                                                   \
+    }
+#define KVQ_QKV_D(TNAME, T, D)                                                                       \
+    KVQ_QKV(TNAME, T, 3, 2, D) KVQ_QKV(TNAME, T, 4, 3, D) KVQ_QKV(TNAME, T, 5, 4, D)                 \
+    KVQ_QKV(TNAME, T, 6, 5, D)
+
 #define KVQ_Q_D(TNAME, T, D)                                                                         \
     KVQ_Q(TNAME, T, 2, D) KVQ_Q(TNAME, T, 3, D) KVQ_Q(TNAME, T, 4, D)                                \
     KVQ_Q(TNAME, T, 5, D) KVQ_Q(TNAME, T, 6, D) KVQ_Q(TNAME, T, 8, D)
@@ -109,7 +120,8 @@ KVQ_MERGE(bf16, __nv_bfloat16)
     KVQ_QM(TNAME, T, B, 128, 32) KVQ_QM(TNAME, T, B, 128, 64) KVQ_QM(TNAME, T, B, 128, 128)
 
 #define KVQ_Q_ALL(TNAME, T)                                                                          \
-    KVQ_Q_D(TNAME, T, 64) KVQ_Q_D(TNAME, T, 128) KVQ_QM_B(TNAME, T, 4) KVQ_QM_B(TNAME, T, 8)
+    KVQ_Q_D(TNAME, T, 64) KVQ_Q_D(TNAME, T, 128) KVQ_QM_B(TNAME, T, 4) KVQ_QM_B(TNAME, T, 8)        \
+    KVQ_QKV_D(TNAME, T, 64) KVQ_QKV_D(TNAME, T, 128)
 
 KVQ_Q_ALL(f32, float)
 KVQ_Q_ALL(f16, __half)

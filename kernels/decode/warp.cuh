@@ -112,7 +112,9 @@ template <bool MMA> struct SeqBlocks {
     }
 };
 
-template <typename T, int B, int D, int GS>
+// VB: the width of the value codes when it differs from the keys' B (SIMT only: keys one bit
+// wider than values, the splits of --kv-bits 2.5 … 5.5); the steps that read V take it.
+template <typename T, int B, int D, int GS, int VB = B>
 __device__ __forceinline__ void qdecode_impl(
     const T* __restrict__ q, float scale, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
     const T* __restrict__ kb, const uint32_t* __restrict__ vc, const T* __restrict__ vs,
@@ -122,6 +124,7 @@ __device__ __forceinline__ void qdecode_impl(
     float* __restrict__ part_acc, float* __restrict__ part_ml, const float* __restrict__ signs,
     int rotated, T* __restrict__ out, unsigned* __restrict__ counters, int nsplit) {
     using S = QShape<T, B, D, GS>;
+    static_assert(VB == B || GS == 0, "mixed widths take the SIMT steps");
     constexpr bool MMA = S::MMA, VMMA = S::VMMA, SREG = S::SREG;
     constexpr int HB = S::HB, NCH = S::NCH, LPR = S::LPR, NG = S::NG, KST = S::KST, STG = S::STG;
     const unsigned FULL = 0xffffffffu;
@@ -208,7 +211,7 @@ __device__ __forceinline__ void qdecode_impl(
                 __syncwarp();
                 vmask = __ballot_sync(FULL, valid);
             } else if (valid_n) {
-                warp_prefetch<T, B, D, GS>(hrow_n, hg, kcb, vcb, ks, kb, vs, vb);
+                warp_prefetch<T, B, D, GS, VB>(hrow_n, hg, kcb, vcb, ks, kb, vs, vb);
             }
             const unsigned char* sK = st;
             const unsigned char* sV = st + 32 * HB;
@@ -232,8 +235,8 @@ __device__ __forceinline__ void qdecode_impl(
             if constexpr (VMMA)
                 warp_values_mma<T, B, D, GS>(pm, gq, tq, vmask, sV, sVS, sVB, cv, accb_c);
             else
-                warp_values_lanes<T, B, D, GS>(pj, pm, rsub, c8, vmask, sV, sVS, sVB, vrow, vcb, vs,
-                                               vb, hg, group, acc, accb);
+                warp_values_lanes<T, VB, D, GS>(pj, pm, rsub, c8, vmask, sV, sVS, sVB, vrow, vcb,
+                                                vs, vb, hg, group, acc, accb);
             if constexpr (MMA) {
                 __syncwarp();  // this stage is read; the next iteration stages into it
                 buf ^= 1;

@@ -349,13 +349,13 @@ __device__ __forceinline__ void warp_softmax_mma(
 }
 
 // SIMT: asks L2 for the next tile's rows (head row hrow_n) while this one is worked on.
-template <typename T, int B, int D, int GS>
+template <typename T, int B, int D, int GS, int VB = B>
 __device__ __forceinline__ void warp_prefetch(
     uint32_t hrow_n, uint32_t hg, const unsigned char* kcb, const unsigned char* vcb, const T* ks,
     const T* kb, const T* vs, const T* vb) {
-    constexpr int HB = QShape<T, B, D, GS>::HB;
+    constexpr int HB = QShape<T, B, D, GS>::HB, VHB = QShape<T, VB, D, GS>::HB;
     prefetch_span(kcb + (size_t)hrow_n * HB, HB);
-    prefetch_span(vcb + (size_t)hrow_n * HB, HB);
+    prefetch_span(vcb + (size_t)hrow_n * VHB, VHB);
     if constexpr (QShape<T, B, D, GS>::DENSE) return;  // no scales
     const int gb = (int)(hg * sizeof(T));
     prefetch_span(ks + (size_t)hrow_n * hg, gb);

@@ -438,6 +438,38 @@ mod cuda {
         check(&c, &dev, 2e-2, "8-bit bf16 scales, bf16 q, gqa 4");
     }
 
+    /// Keys one bit wider than values (the `--kv-bits 2.5 … 5.5` splits) on the warp kernel's
+    /// mixed SIMT instances (`decode_q_*_b<K>v<V>_*`; the planner's unit test checks they are
+    /// the ones chosen) match the reference at head_dim 128 and 64, every group, GQA 1, 3, 8,
+    /// f32 and f16 scales.
+    #[test]
+    fn cuda_keys_one_bit_wider_than_values_match_reference() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        let mut seed = 3000;
+        for (d, groups) in [(HEAD_DIM, &[32usize, 64, 128][..]), (64, &[32, 64][..])] {
+            for &g in groups {
+                for (kb, vb) in [(3u32, 2u32), (4, 3), (5, 4), (6, 5)] {
+                    for sdt in [DType::F32, DType::F16] {
+                        for gqa in [1, 3, 8] {
+                            let (kvh, seqs) = layouts().remove(seed as usize % 2);
+                            seed += 1;
+                            let f = |b| QuantFormat::new(b, g).unwrap();
+                            let format = KvFormat::Affine {
+                                key: f(kb),
+                                value: f(vb),
+                                scale_dtype: sdt,
+                                rotated: false,
+                            };
+                            let c = build_d(format, kvh, gqa, &seqs, DType::F32, seed, d);
+                            let what = format!("K{kb}/V{vb} d {d} g {g} {sdt:?} gqa {gqa}");
+                            check(&c, &dev, 1e-4, &what);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     fn kvh_of_first() -> usize {
         layouts()[0].0
     }

@@ -320,9 +320,9 @@ pub fn decode_attention_step(
     if dims.batch == 0 {
         return q.zeros_like();
     }
-    // The CUDA kernels read K and V in one format, the CPU kernel also keys one bit wider than
-    // values (`cpu::fused_pair`); other mixed widths take the generic path (still only the
-    // visible rows are dequantized).
+    // The fused kernels read K and V in one format, or keys one bit wider than values (CPU:
+    // `cpu::fused_pair`; CUDA: its warp kernel, `cuda::reads`); other mixed widths take the
+    // generic path (still only the visible rows are dequantized).
     let cpu_fused = match kv {
         LayerKv::Affine { kfmt, vfmt, .. } => {
             cpu::fused_pair(kfmt.bits(), vfmt.bits()) && kfmt.group_size() == vfmt.group_size()
@@ -330,7 +330,7 @@ pub fn decode_attention_step(
         LayerKv::Dense { .. } => true,
     };
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && !matches!(kv, LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt) {
+    if q.device().is_cuda() && cuda::reads(q, kv, &dims) {
         return cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, rot);
     }
     let rq;

@@ -311,6 +311,17 @@ fn launch_affine(
     Ok(fused)
 }
 
+/// Whether [`decode`] reads `kv` with queries `q`: one width for K and V, or keys one bit wider
+/// than values on the warp kernel (the block-wide kernel reads one width).
+pub(super) fn reads(q: &Tensor, kv: &LayerKv, dims: &Dims) -> bool {
+    match kv {
+        LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt => {
+            choose(q, kv, dims).is_ok_and(|c| c.warp)
+        }
+        _ => true,
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn decode(
     q: &Tensor,

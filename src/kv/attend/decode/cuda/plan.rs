@@ -4,7 +4,7 @@
 use super::super::Dims;
 use super::dtype_name;
 use crate::device::kernels::decode_override;
-use crate::kv::format::LayerKv;
+use crate::kv::format::{LayerKv, QuantFormat};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::CudaFunction;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -113,8 +113,9 @@ pub(super) struct Choice {
     pub(super) chunk: usize,
 }
 
-/// Quantized pools with one width for K and V and head_dim 64 or 128 take the warp-independent
-/// kernel: with tensor-core scores for 4 and 8 bits (decode_qm_*), SIMT otherwise (decode_q_*);
+/// Quantized pools with one width for K and V, or keys one bit wider than values
+/// ([`mixed_pair`]), and head_dim 64 or 128 take the warp-independent kernel: with tensor-core
+/// scores for 4 and 8 bits of one width (decode_qm_*), SIMT otherwise (decode_q_*);
 /// so do dense f16 / bf16 pools at head_dim 64 (SIMT, decode_q_*_b16_*; H100, default model,
 /// f16: 512 × 1 1,193–1,199 against 927–929 tok/s, 4096 × 64 14.2K against 8.4K;
 /// KVQ_CUDA_DECODE=dense-block keeps them on the block-wide dense kernel for A/B).
@@ -127,7 +128,7 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
     let choice = decode_override();
     let warp = match kv {
         LayerKv::Affine { kfmt, vfmt, k, .. } => {
-            kfmt == vfmt
+            (kfmt == vfmt || mixed_pair(kfmt, vfmt))
                 && !(q.dtype() == DType::F32 && k.scales.dtype() != DType::F32)
                 && matches!(d, 64 | 128)
                 && fits_u32_rows(dims)
@@ -145,8 +146,11 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         }
     };
     let mma = match kv {
-        LayerKv::Affine { kfmt, .. } => {
-            warp && matches!(kfmt.bits(), 4 | 8) && kfmt.group_size() <= d && choice != "v2"
+        LayerKv::Affine { kfmt, vfmt, .. } => {
+            warp && kfmt == vfmt
+                && matches!(kfmt.bits(), 4 | 8)
+                && kfmt.group_size() <= d
+                && choice != "v2"
         }
         LayerKv::Dense { .. } => false,
     };
@@ -158,11 +162,15 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
             dtype_name(q.dtype())?,
             dense_chunk(dims)
         ),
-        LayerKv::Affine { kfmt: fmt, k, .. } => {
+        LayerKv::Affine {
+            kfmt: fmt, vfmt, k, ..
+        } => {
             let t = dtype_name(k.scales.dtype())?;
             let (bits, g) = (fmt.bits(), fmt.group_size());
             if mma {
                 format!("decode_qm_{t}_b{bits}_d{d}_g{g}")
+            } else if warp && fmt != vfmt {
+                format!("decode_q_{t}_b{bits}v{}_d{d}", vfmt.bits())
             } else if warp {
                 format!("decode_q_{t}_b{bits}_d{d}")
             } else {
@@ -192,6 +200,12 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
     })
 }
 
+/// Whether the warp kernel reads keys of `k` with values of `v`: keys one bit wider, same group
+/// size (decode_q_*_b<K>v<V>_*; the splits `--kv-bits 2.5 … 5.5` name).
+pub(super) fn mixed_pair(k: &QuantFormat, v: &QuantFormat) -> bool {
+    k.group_size() == v.group_size() && k.bits() == v.bits() + 1 && (2..=5).contains(&v.bits())
+}
+
 /// Whether every (slot, KV head) row of the pool has a 32-bit index (the warp kernel's).
 fn fits_u32_rows(dims: &Dims) -> bool {
     dims.num_blocks
@@ -206,5 +220,52 @@ pub(super) fn dense_chunk(dims: &Dims) -> usize {
         DENSE_MG
     } else {
         MAXG
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::format::KvFormat;
+    use candle_core::Device;
+
+    /// Keys one bit wider than values take the warp kernel's SIMT instance named after both
+    /// widths; other mixed pairs, and f32 queries over half scales, do not take the warp kernel
+    /// (the caller sends them to the generic path).
+    #[test]
+    fn keys_one_bit_wider_take_the_mixed_warp_kernel() {
+        let dims = Dims {
+            batch: 1,
+            heads: 8,
+            head_dim: 128,
+            kv_heads: 2,
+            group: 4,
+            max_blocks: 4,
+            num_blocks: 8,
+            block_size: 16,
+        };
+        let pool = |k: u32, v: u32, sdt: DType| {
+            let f = |b| QuantFormat::new(b, 64).unwrap();
+            let format = KvFormat::Affine {
+                key: f(k),
+                value: f(v),
+                scale_dtype: sdt,
+                rotated: false,
+            };
+            LayerKv::zeros(format, 128, 256, &Device::Cpu).unwrap()
+        };
+        let q = |dt: DType| Tensor::zeros((1, 8, 128), dt, &Device::Cpu).unwrap();
+        for (k, v) in [(3, 2), (4, 3), (5, 4), (6, 5)] {
+            let c = choose(&q(DType::F16), &pool(k, v, DType::F16), &dims).unwrap();
+            assert!(c.warp, "K{k}/V{v}");
+            assert_eq!(c.name, format!("decode_q_f16_b{k}v{v}_d128"));
+            assert_eq!(c.smem, 0);
+        }
+        let c = choose(&q(DType::F16), &pool(4, 4, DType::F16), &dims).unwrap();
+        assert_eq!(c.name, "decode_qm_f16_b4_d128_g64");
+        for (k, v, qdt) in [(8, 4, DType::F16), (4, 5, DType::F16), (5, 4, DType::F32)] {
+            let c = choose(&q(qdt), &pool(k, v, DType::F16), &dims).unwrap();
+            assert!(!c.warp, "K{k}/V{v} {qdt:?}");
+        }
     }
 }

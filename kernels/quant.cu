@@ -193,6 +193,19 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
             quantize_rot_impl<IT, T, B, D>(xv, vc, vs, vb, nchunks, group, rows, cpr, signs);       \
     }
 
+// The same with keys one bit wider than values (the splits of --kv-bits 2.5 … 5.5):
+// quantize_rot_rows_<input>_<pool>_b<key bits>v<value bits>_d<D>.
+#define KVQ_QUANT_ROT_KV(INAME, IT, TNAME, T, KB, VB, D)                                            \
+    extern "C" __global__ void quantize_rot_rows_##INAME##_##TNAME##_b##KB##v##VB##_d##D(           \
+        const IT* xk, const IT* xv, uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb,         \
+        uint64_t nchunks, int group, const uint32_t* rows, uint64_t cpr, const float* signs) {     \
+        pdl_start();                                                                                \
+        if (blockIdx.y == 0)                                                                        \
+            quantize_rot_impl<IT, T, KB, D>(xk, kc, ks, kb, nchunks, group, rows, cpr, signs);      \
+        else                                                                                        \
+            quantize_rot_impl<IT, T, VB, D>(xv, vc, vs, vb, nchunks, group, rows, cpr, signs);      \
+    }
+
 // Quantize X rows into T parameters: quantize_<x>_<t>_b<bits>, quantize_rows_<x>_<t>_b<bits>.
 #define KVQ_QUANT(XNAME, X, TNAME, T, B)                                                            \
     extern "C" __global__ void quantize_##XNAME##_##TNAME##_b##B(                                   \
@@ -214,10 +227,14 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
 
 #define KVQ_ROT_D(INAME, IT, TNAME, T, B)                                                           \
     KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, 64) KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, 128)
+#define KVQ_ROT_KV_D(INAME, IT, TNAME, T, KB, VB)                                                   \
+    KVQ_QUANT_ROT_KV(INAME, IT, TNAME, T, KB, VB, 64) KVQ_QUANT_ROT_KV(INAME, IT, TNAME, T, KB, VB, 128)
 #define KVQ_ROT_ALL(INAME, IT, TNAME, T)                                                             \
     KVQ_ROT_D(INAME, IT, TNAME, T, 2) KVQ_ROT_D(INAME, IT, TNAME, T, 3)                             \
     KVQ_ROT_D(INAME, IT, TNAME, T, 4) KVQ_ROT_D(INAME, IT, TNAME, T, 5)                             \
-    KVQ_ROT_D(INAME, IT, TNAME, T, 6) KVQ_ROT_D(INAME, IT, TNAME, T, 8)
+    KVQ_ROT_D(INAME, IT, TNAME, T, 6) KVQ_ROT_D(INAME, IT, TNAME, T, 8)                             \
+    KVQ_ROT_KV_D(INAME, IT, TNAME, T, 3, 2) KVQ_ROT_KV_D(INAME, IT, TNAME, T, 4, 3)                 \
+    KVQ_ROT_KV_D(INAME, IT, TNAME, T, 5, 4) KVQ_ROT_KV_D(INAME, IT, TNAME, T, 6, 5)
 #define KVQ_QUANT_ALL(XNAME, X, TNAME, T)                                                           \
     KVQ_QUANT(XNAME, X, TNAME, T, 2) KVQ_QUANT(XNAME, X, TNAME, T, 3)                               \
     KVQ_QUANT(XNAME, X, TNAME, T, 4) KVQ_QUANT(XNAME, X, TNAME, T, 5)                               \

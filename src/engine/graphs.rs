@@ -10,9 +10,10 @@
 //! engine's `--max-batch`), and block tables to a power-of-two width (at least 16 blocks), so a
 //! handful of graphs serve every step as sequences join, finish and grow. A shape's first step
 //! runs eagerly (it loads kernels and sizes candle's scratch buffers) and is then captured;
-//! later steps replay. Steps with prompt tokens, dense staging, mixed key/value widths,
-//! attention soft-capping, or windowed layers beside global ones (several layer groups) run
-//! eagerly as before. Outputs are identical either way.
+//! later steps replay. Steps with prompt tokens, dense staging, mixed key/value widths other
+//! than keys one bit wider than values on the warp kernel, attention soft-capping, or windowed
+//! layers beside global ones (several layer groups) run eagerly as before. Outputs are identical
+//! either way.
 
 use anyhow::Result;
 use candle_core::cuda_backend::cudarc::driver::CudaGraph;
@@ -84,7 +85,16 @@ impl DecodeGraphs {
     /// Whether `inputs` form a step graphs can take: one new token per sequence, all in the
     /// main pool, on a CUDA device, every layer on the fused decode kernel.
     pub fn takes(&self, model: &Llama, cache: &PagedKvCache, inputs: &[SeqInput]) -> bool {
-        let fused = |l: usize| cache.layer_storage(l, true).format().kv_alike();
+        // Keys one bit wider than values: on the warp kernel only (head_dim 64 / 128, queries
+        // not in f32 over half scales), else the generic path, which reads tables on the host.
+        let hd = cache.config().head_dim;
+        let fused = |l: usize| {
+            let f = cache.layer_storage(l, true).format();
+            f.kv_alike()
+                || (f.keys_one_bit_wider()
+                    && matches!(hd, 64 | 128)
+                    && !(model.dtype() == DType::F32 && f.value_dtype() != DType::F32))
+        };
         !self.broken
             && !inputs.is_empty()
             && cache.groups().len() == 1

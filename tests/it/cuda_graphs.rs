@@ -1,6 +1,6 @@
 //! CUDA graphs replay decode steps exactly (CUDA builds only; run on a GPU): the 12 reference
 //! prompts through `kvq batch-generate` give the same tokens with `--cuda-graphs on` and `off`,
-//! for the f16, 8-bit and 4-bit caches. `--max-batch 5` with the cases' different lengths makes
+//! for the f16, 8-bit, 4-bit and 4.5 (5-bit keys, 4-bit values) caches. `--max-batch 5` with the cases' different lengths makes
 //! rows finish and join between steps (the batch moves between graph buckets), and 48 new
 //! tokens on 16-token blocks make every sequence grow into new blocks (replayed graphs must read
 //! the updated block tables). The same with the fused small-step projections on
@@ -80,6 +80,7 @@ fn graph_replay_equals_eager_launches_on_the_reference_prompts() {
         (&[][..], false),
         (&["--kv-bits", "8"], false),
         (&["--kv-bits", "4"], false),
+        (&["--kv-bits", "4.5"], false),
         (&[][..], true),
         (&["--kv-bits", "4"], true),
     ] {

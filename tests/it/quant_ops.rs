@@ -396,8 +396,8 @@ fn cuda_quantize_into_rows_scatters_exact_rows() {
     check_into_rows(&Device::new_cuda(0).expect("a CUDA device"));
 }
 
-/// The fused rotate-and-quantize write against rotating (matmul) then quantizing: the two
-/// rotations differ only in rounding, so codes agree except at rounding boundaries and every
+/// The fused rotate-and-quantize write against rotating (matmul) then quantizing, for one width
+/// and for keys one bit wider than values: the two rotations differ only in rounding, so codes agree except at rounding boundaries and every
 /// dequantized value within one code step; slots not written stay untouched.
 #[cfg(feature = "cuda")]
 #[test]
@@ -405,20 +405,27 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
     use kvq::kv::format::rotation::Rotation;
     let dev = Device::new_cuda(0).expect("a CUDA device");
     let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
-    for (nbits, g, dtype, hd, kvh) in [
-        (4, 64, DType::F16, 128, 2),
-        (8, 32, DType::BF16, 64, 3),
-        (3, 128, DType::F32, 128, 1),
-        (2, 32, DType::F16, 64, 2),
-        (4, 128, DType::F16, 64, 2),
-        (5, 64, DType::F32, 64, 1),
-        (6, 32, DType::F16, 128, 1),
+    for (nbits, vbits, g, dtype, hd, kvh) in [
+        (4, 4, 64, DType::F16, 128, 2),
+        (8, 8, 32, DType::BF16, 64, 3),
+        (3, 3, 128, DType::F32, 128, 1),
+        (2, 2, 32, DType::F16, 64, 2),
+        (4, 4, 128, DType::F16, 64, 2),
+        (5, 5, 64, DType::F32, 64, 1),
+        (6, 6, 32, DType::F16, 128, 1),
+        (5, 4, 64, DType::F16, 128, 2),
+        (4, 3, 32, DType::F32, 64, 1),
+        (3, 2, 128, DType::BF16, 128, 1),
+        (6, 5, 64, DType::F16, 64, 3),
     ] {
-        let fmt = QuantFormat::new(nbits, g).unwrap();
+        let (fmt, vfmt) = (
+            QuantFormat::new(nbits, g).unwrap(),
+            QuantFormat::new(vbits, g).unwrap(),
+        );
         let width = kvh * hd;
         let rot = Rotation::new(hd, 7, &dev).unwrap();
         let slots = 12usize;
-        let pool = || {
+        let pool = |fmt: QuantFormat| {
             let zeros = |cols: usize, dt: DType| Tensor::zeros((slots, cols), dt, &dev).unwrap();
             Quantized {
                 codes: zeros(fmt.words_per_row(width), DType::U32),
@@ -433,17 +440,19 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
             vec![DType::F32, dtype]
         };
         for in_dtype in inputs {
-            let (fk, fv, rk, rv) = (pool(), pool(), pool(), pool());
+            let (fk, fv, rk, rv) = (pool(fmt), pool(vfmt), pool(fmt), pool(vfmt));
             let rows = SlotRows::new(vec![3, 4, 5, 9, 1, 0]);
             let xk = sample(&[6, width], in_dtype, 2.0).to_device(&dev).unwrap();
             let xv = sample(&[6, width], in_dtype, 0.5).to_device(&dev).unwrap();
-            format::quantize_rotated_into_rows(&xk, &xv, fmt, &fk, &fv, &rows, rot.signs(), hd)
+            let fmts = (fmt, vfmt);
+            format::quantize_rotated_into_rows(&xk, &xv, fmts, &fk, &fv, &rows, rot.signs(), hd)
                 .unwrap();
             format::quantize_into_rows(&rot.rotate(&xk).unwrap(), fmt, &rk, &rows).unwrap();
-            format::quantize_into_rows(&rot.rotate(&xv).unwrap(), fmt, &rv, &rows).unwrap();
-            let case =
-                format!("bits {nbits} g {g} {in_dtype:?} into {dtype:?} head_dim {hd} x{kvh}");
-            for (got, want) in [(&fk, &rk), (&fv, &rv)] {
+            format::quantize_into_rows(&rot.rotate(&xv).unwrap(), vfmt, &rv, &rows).unwrap();
+            let case = format!(
+                "bits {nbits}/{vbits} g {g} {in_dtype:?} into {dtype:?} head_dim {hd} x{kvh}"
+            );
+            for (got, want, fmt) in [(&fk, &rk, fmt), (&fv, &rv, vfmt)] {
                 let (gc, wc) = (bits(&cpu(&got.codes)), bits(&cpu(&want.codes)));
                 let same_words = gc.iter().zip(&wc).filter(|(a, b)| a == b).count();
                 assert!(
@@ -488,14 +497,20 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
                 }
             }
         }
-        let (fk, fv) = (pool(), pool());
+        let (fk, fv) = (pool(fmt), pool(vfmt));
         let rows = SlotRows::new(vec![3, 4, 5, 9, 1, 0]);
         let xk = sample(&[6, width], DType::F32, 1.0)
             .to_device(&dev)
             .unwrap();
         let xv = xk.clone();
         let e = format::quantize_rotated_into_rows(
-            &xk, &xv, fmt, &fk, &fv, &rows, &xk, // signs that are not one head vector
+            &xk,
+            &xv,
+            (fmt, vfmt),
+            &fk,
+            &fv,
+            &rows,
+            &xk, // signs that are not one head vector
             hd,
         )
         .unwrap_err();

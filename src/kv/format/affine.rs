@@ -46,6 +46,15 @@ impl QuantFormat {
         Ok(Self { bits, group_size })
     }
 
+    /// Whether keys in `key` and values in `value` are the split the fused kernels read besides
+    /// one format for both: keys one bit wider, groups of one size (what `--kv-bits 2.5 … 5.5`
+    /// name).
+    pub fn one_bit_wider(key: QuantFormat, value: QuantFormat) -> bool {
+        key.group_size() == value.group_size()
+            && key.bits() == value.bits() + 1
+            && (2..=5).contains(&value.bits())
+    }
+
     pub fn bits(&self) -> u32 {
         self.bits
     }

@@ -270,7 +270,7 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize, out: DType) 
 pub(super) fn quantize_rot_into_rows(
     xk: &Tensor,
     xv: &Tensor,
-    fmt: QuantFormat,
+    (fmt, vfmt): (QuantFormat, QuantFormat),
     dk: &Quantized,
     dv: &Quantized,
     rows: &Tensor,
@@ -282,7 +282,7 @@ pub(super) fn quantize_rot_into_rows(
     fn run<I: CudaDType + DeviceRepr, T: CudaDType + DeviceRepr>(
         x: [&Tensor; 2],
         pools: [&Quantized; 2],
-        fmt: QuantFormat,
+        (fmt, vfmt): (QuantFormat, QuantFormat),
         rows: &Tensor,
         signs: &Tensor,
         (hd, d, n): (usize, usize, usize),
@@ -319,11 +319,16 @@ pub(super) fn quantize_rot_into_rows(
         let rows_dev = as_cuda(&rst)?.as_cuda_slice::<u32>()?.slice(r1..r2);
         let (sst, s1, s2) = cuda_parts(signs)?;
         let signs_dev = as_cuda(&sst)?.as_cuda_slice::<f32>()?.slice(s1..s2);
+        // One width: b<bits>; keys one bit wider than values: b<key bits>v<value bits>.
+        let widths = if fmt == vfmt {
+            format!("{}", fmt.bits())
+        } else {
+            format!("{}v{}", fmt.bits(), vfmt.bits())
+        };
         let name = format!(
-            "quantize_rot_rows_{}_{}_b{}_d{hd}",
+            "quantize_rot_rows_{}_{}_b{widths}_d{hd}",
             dtype_name(x[0].dtype())?,
             dtype_name(pools[0].scales.dtype())?,
-            fmt.bits()
         );
         let f = kernel(&dev, Module::Quant, &name)?;
         let (nchunks, group, cpr) = ((n / 8) as u64, fmt.group_size() as i32, (d / 8) as u64);
@@ -347,7 +352,7 @@ pub(super) fn quantize_rot_into_rows(
         Ok(())
     }
     let sizes = (hd, d, n);
-    let (x, pools) = ([&xk, &xv], [dk, dv]);
+    let (x, pools, fmt) = ([&xk, &xv], [dk, dv], (fmt, vfmt));
     match (xk.dtype(), dk.scales.dtype()) {
         (DType::F32, DType::F32) => run::<f32, f32>(x, pools, fmt, rows, signs, sizes),
         (DType::F32, DType::F16) => run::<f32, f16>(x, pools, fmt, rows, signs, sizes),

@@ -109,6 +109,15 @@ impl KvFormat {
         }
     }
 
+    /// Whether K and V are affine with keys one bit wider than values
+    /// ([`QuantFormat::one_bit_wider`]).
+    pub fn keys_one_bit_wider(&self) -> bool {
+        match self {
+            KvFormat::Dense(_) => false,
+            KvFormat::Affine { key, value, .. } => QuantFormat::one_bit_wider(*key, *value),
+        }
+    }
+
     /// This format with its affine scales and biases in `dtype` (a dense format unchanged).
     pub fn with_scale_dtype(self, dtype: DType) -> Self {
         match self {

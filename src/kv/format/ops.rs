@@ -316,12 +316,13 @@ pub fn fused_rotation(x: &Tensor, pool_dtype: DType, head_dim: usize) -> bool {
 /// scheme's rotation, whose sign vector is `signs` (f32 `[head_dim]`, see
 /// [`Rotation`](super::rotation::Rotation)): one launch rotates and quantizes both, so a decode
 /// step's write costs one kernel per layer instead of two matmuls, two casts and two quantize
-/// launches. Only where [`fused_rotation`] holds; both pools in format `fmt`.
+/// launches. Only where [`fused_rotation`] holds; K in `kfmt`, V in `vfmt`: one format, or keys
+/// one bit wider ([`QuantFormat::one_bit_wider`]).
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_rotated_into_rows(
     k: &Tensor,
     v: &Tensor,
-    fmt: QuantFormat,
+    (kfmt, vfmt): (QuantFormat, QuantFormat),
     dk: &Quantized,
     dv: &Quantized,
     slots: &SlotRows,
@@ -330,8 +331,17 @@ pub fn quantize_rotated_into_rows(
 ) -> Result<()> {
     let op = "quantize_rotated_into_rows";
     let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
-    let (pool_rows, n) = check_rows_into(k, fmt, dk, op)?;
-    let (pool_rows_v, n_v) = check_rows_into(v, fmt, dv, op)?;
+    if kfmt != vfmt && !QuantFormat::one_bit_wider(kfmt, vfmt) {
+        return Err(shape_err(format!(
+            "no fused kernel for {}-bit g{} keys with {}-bit g{} values",
+            kfmt.bits(),
+            kfmt.group_size(),
+            vfmt.bits(),
+            vfmt.group_size()
+        )));
+    }
+    let (pool_rows, n) = check_rows_into(k, kfmt, dk, op)?;
+    let (pool_rows_v, n_v) = check_rows_into(v, vfmt, dv, op)?;
     let pool_dtype = dk.scales.dtype();
     if k.dtype() != v.dtype()
         || !fused_rotation(k, pool_dtype, head_dim)
@@ -362,7 +372,8 @@ pub fn quantize_rotated_into_rows(
     #[cfg(feature = "cuda")]
     {
         let signs = signs.to_dtype(DType::F32)?.contiguous()?;
-        cuda::quantize_rot_into_rows(k, v, fmt, dk, dv, &slots.on(k.device())?, &signs, head_dim)
+        let fmts = (kfmt, vfmt);
+        cuda::quantize_rot_into_rows(k, v, fmts, dk, dv, &slots.on(k.device())?, &signs, head_dim)
     }
     #[cfg(not(feature = "cuda"))]
     Err(shape_err("kvq was built without the cuda feature".into()))

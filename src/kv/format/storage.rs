@@ -167,7 +167,7 @@ impl LayerKv {
             ..
         } = self
         {
-            if kfmt == vfmt
+            if (kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt))
                 && qk.scales.dtype() == qv.scales.dtype()
                 && k.dtype() == v.dtype()
                 && fused_rotation(k, qk.scales.dtype(), rot.head_dim())
@@ -175,7 +175,7 @@ impl LayerKv {
                 return quantize_rotated_into_rows(
                     k,
                     v,
-                    *kfmt,
+                    (*kfmt, *vfmt),
                     qk,
                     qv,
                     rows,

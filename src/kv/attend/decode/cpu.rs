@@ -384,13 +384,8 @@ fn dense_out(
     })
 }
 
-/// Whether the fused kernel reads keys of `k` bits with values of `v` bits: one width, or keys
-/// one bit wider (the splits `--kv-bits` averages name). Other pairs take the generic path.
-pub(super) fn fused_pair(k: u32, v: u32) -> bool {
-    k == v || (k == v + 1 && (2..=5).contains(&v))
-}
-
-/// The kernel over an affine pool (K and V widths a [`fused_pair`]).
+/// The kernel over an affine pool: one format for K and V, or keys one bit wider
+/// ([`QuantFormat::one_bit_wider`]).
 #[allow(clippy::too_many_arguments)]
 fn affine_out(
     (kfmt, vfmt): (QuantFormat, QuantFormat),

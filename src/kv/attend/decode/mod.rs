@@ -28,7 +28,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use std::borrow::Cow;
 
 use crate::kv::format::rotation::Rotation;
-use crate::kv::format::LayerKv;
+use crate::kv::format::{LayerKv, QuantFormat};
 
 /// Why a decode-attention call is refused; each message names the offending input.
 #[derive(Debug, thiserror::Error)]
@@ -320,12 +320,13 @@ pub fn decode_attention_step(
     if dims.batch == 0 {
         return q.zeros_like();
     }
-    // The fused kernels read K and V in one format, or keys one bit wider than values (CPU:
-    // `cpu::fused_pair`; CUDA: its warp kernel, `cuda::reads`); other mixed widths take the
+    // The fused kernels read K and V in one format, or keys one bit wider than values
+    // (`QuantFormat::one_bit_wider`;
+    // CUDA: on its warp kernel, `cuda::reads`); other mixed widths take the
     // generic path (still only the visible rows are dequantized).
     let cpu_fused = match kv {
         LayerKv::Affine { kfmt, vfmt, .. } => {
-            cpu::fused_pair(kfmt.bits(), vfmt.bits()) && kfmt.group_size() == vfmt.group_size()
+            kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt)
         }
         LayerKv::Dense { .. } => true,
     };

@@ -214,7 +214,7 @@ fn keys_one_bit_wider_than_values_match_reference() {
                         scale_dtype: DType::F32,
                         rotated: false,
                     });
-                    assert!(fused_pair(kb, vb));
+                    assert!(QuantFormat::one_bit_wider(fmt(kb), fmt(vb)));
                     let (want, got) = f.outputs(&q, &kv, 0.1);
                     let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
                     for (isa, got) in got {
@@ -233,5 +233,8 @@ fn keys_one_bit_wider_than_values_match_reference() {
             }
         }
     }
-    assert!(!fused_pair(8, 4) && !fused_pair(4, 5) && !fused_pair(7, 6));
+    let f = |b| QuantFormat::new(b, 64).unwrap();
+    assert!(!QuantFormat::one_bit_wider(f(8), f(4)) && !QuantFormat::one_bit_wider(f(4), f(5)));
+    let g32 = QuantFormat::new(4, 32).unwrap();
+    assert!(!QuantFormat::one_bit_wider(f(5), g32));
 }

@@ -114,7 +114,7 @@ pub(super) struct Choice {
 }
 
 /// Quantized pools with one width for K and V, or keys one bit wider than values
-/// ([`mixed_pair`]), and head_dim 64 or 128 take the warp-independent kernel: with tensor-core
+/// ([`QuantFormat::one_bit_wider`]), and head_dim 64 or 128 take the warp-independent kernel: with tensor-core
 /// scores for 4 and 8 bits of one width (decode_qm_*), SIMT otherwise (decode_q_*);
 /// so do dense f16 / bf16 pools at head_dim 64 (SIMT, decode_q_*_b16_*; H100, default model,
 /// f16: 512 × 1 1,193–1,199 against 927–929 tok/s, 4096 × 64 14.2K against 8.4K;
@@ -128,7 +128,7 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
     let choice = decode_override();
     let warp = match kv {
         LayerKv::Affine { kfmt, vfmt, k, .. } => {
-            (kfmt == vfmt || mixed_pair(kfmt, vfmt))
+            (kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt))
                 && !(q.dtype() == DType::F32 && k.scales.dtype() != DType::F32)
                 && matches!(d, 64 | 128)
                 && fits_u32_rows(dims)
@@ -198,12 +198,6 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         smem,
         chunk,
     })
-}
-
-/// Whether the warp kernel reads keys of `k` with values of `v`: keys one bit wider, same group
-/// size (decode_q_*_b<K>v<V>_*; the splits `--kv-bits 2.5 … 5.5` name).
-pub(super) fn mixed_pair(k: &QuantFormat, v: &QuantFormat) -> bool {
-    k.group_size() == v.group_size() && k.bits() == v.bits() + 1 && (2..=5).contains(&v.bits())
 }
 
 /// Whether every (slot, KV head) row of the pool has a 32-bit index (the warp kernel's).

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 
 use super::device_greedy::{argmax_into, picks_of};
 use crate::device::graph::{capture, kernel_nodes, replay};
-use crate::kv::attend::FixedStep;
+use crate::kv::attend::{decode, FixedStep};
 use crate::kv::cache::PagedKvCache;
 use crate::model::llama::{Llama, SeqInput};
 
@@ -85,15 +85,10 @@ impl DecodeGraphs {
     /// Whether `inputs` form a step graphs can take: one new token per sequence, all in the
     /// main pool, on a CUDA device, every layer on the fused decode kernel.
     pub fn takes(&self, model: &Llama, cache: &PagedKvCache, inputs: &[SeqInput]) -> bool {
-        // Keys one bit wider than values: on the warp kernel only (head_dim 64 / 128, queries
-        // not in f32 over half scales), else the generic path, which reads tables on the host.
         let hd = cache.config().head_dim;
         let fused = |l: usize| {
             let f = cache.layer_storage(l, true).format();
-            f.kv_alike()
-                || (f.keys_one_bit_wider()
-                    && matches!(hd, 64 | 128)
-                    && !(model.dtype() == DType::F32 && f.value_dtype() != DType::F32))
+            decode::cuda_fuses(&f, hd, model.dtype())
         };
         !self.broken
             && !inputs.is_empty()

@@ -100,24 +100,6 @@ impl KvFormat {
         }
     }
 
-    /// Whether K and V are stored alike: dense, or one affine width for both (what the fused
-    /// decode kernels of fixed GPU steps take).
-    pub fn kv_alike(&self) -> bool {
-        match self {
-            KvFormat::Dense(_) => true,
-            KvFormat::Affine { key, value, .. } => key == value,
-        }
-    }
-
-    /// Whether K and V are affine with keys one bit wider than values
-    /// ([`QuantFormat::one_bit_wider`]).
-    pub fn keys_one_bit_wider(&self) -> bool {
-        match self {
-            KvFormat::Dense(_) => false,
-            KvFormat::Affine { key, value, .. } => QuantFormat::one_bit_wider(*key, *value),
-        }
-    }
-
     /// This format with its affine scales and biases in `dtype` (a dense format unchanged).
     pub fn with_scale_dtype(self, dtype: DType) -> Self {
         match self {

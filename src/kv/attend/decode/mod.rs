@@ -305,6 +305,22 @@ pub struct StepTables<'a> {
     pub host: Option<&'a HostTables>,
 }
 
+/// Whether a CUDA decode step over a layer stored in `format` (head_dim `head_dim`, queries of
+/// `q`) stays on the device's fused kernels, with no host reads: every format but mixed
+/// key/value widths, and those where the warp kernel reads them (what CUDA graphs need).
+#[cfg(feature = "cuda")]
+pub fn cuda_fuses(format: &crate::kv::format::KvFormat, head_dim: usize, q: DType) -> bool {
+    match format {
+        crate::kv::format::KvFormat::Affine {
+            key,
+            value,
+            scale_dtype,
+            ..
+        } if key != value => cuda::warp_reads(key, value, *scale_dtype, q, head_dim),
+        _ => true,
+    }
+}
+
 /// [`decode_attention_rotated`] with the step's tables as one argument.
 pub fn decode_attention_step(
     q: &Tensor,
@@ -321,9 +337,8 @@ pub fn decode_attention_step(
         return q.zeros_like();
     }
     // The fused kernels read K and V in one format, or keys one bit wider than values
-    // (`QuantFormat::one_bit_wider`;
-    // CUDA: on its warp kernel, `cuda::reads`); other mixed widths take the
-    // generic path (still only the visible rows are dequantized).
+    // (`QuantFormat::one_bit_wider`; CUDA: on its warp kernel, `cuda::reads`); other mixed
+    // widths take the generic path (still only the visible rows are dequantized).
     let cpu_fused = match kv {
         LayerKv::Affine { kfmt, vfmt, .. } => {
             kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt)

@@ -13,6 +13,7 @@ use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
+pub(super) use plan::warp_reads;
 use plan::{
     choose, plan, resident_blocks, sm_count, DENSE_GRANULE, MAX_HEAD_DIM, TARGET_BLOCKS, THREADS,
     TILE,

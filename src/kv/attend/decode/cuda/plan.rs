@@ -128,9 +128,7 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
     let choice = decode_override();
     let warp = match kv {
         LayerKv::Affine { kfmt, vfmt, k, .. } => {
-            (kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt))
-                && !(q.dtype() == DType::F32 && k.scales.dtype() != DType::F32)
-                && matches!(d, 64 | 128)
+            warp_reads(kfmt, vfmt, k.scales.dtype(), q.dtype(), d)
                 && fits_u32_rows(dims)
                 && choice != "v1"
         }
@@ -198,6 +196,21 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         smem,
         chunk,
     })
+}
+
+/// Whether the warp kernel reads keys in `kfmt` with values in `vfmt` (scales and biases of
+/// `scales`) for queries of `q` at head_dim `d`: one format, or keys one bit wider
+/// ([`QuantFormat::one_bit_wider`]); queries in the scales' type or both f32.
+pub(crate) fn warp_reads(
+    kfmt: &QuantFormat,
+    vfmt: &QuantFormat,
+    scales: DType,
+    q: DType,
+    d: usize,
+) -> bool {
+    (kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt))
+        && !(q == DType::F32 && scales != DType::F32)
+        && matches!(d, 64 | 128)
 }
 
 /// Whether every (slot, KV head) row of the pool has a 32-bit index (the warp kernel's).

@@ -396,6 +396,38 @@ fn cuda_quantize_into_rows_scatters_exact_rows() {
     check_into_rows(&Device::new_cuda(0).expect("a CUDA device"));
 }
 
+/// The fused rotated write takes one format for K and V or keys one bit wider than values; any
+/// other pair is refused by name, whatever the device.
+#[test]
+fn rotated_write_refuses_other_mixed_pairs() {
+    let dev = Device::Cpu;
+    let f = |b| QuantFormat::new(b, 64).unwrap();
+    let pool = |fmt: QuantFormat| {
+        let zeros = |cols: usize, dt: DType| Tensor::zeros((4, cols), dt, &dev).unwrap();
+        Quantized {
+            codes: zeros(fmt.words_per_row(128), DType::U32),
+            scales: zeros(fmt.groups_per_row(128), DType::F32),
+            biases: zeros(fmt.groups_per_row(128), DType::F32),
+        }
+    };
+    let x = sample(&[2, 128], DType::F32, 1.0);
+    let signs = Tensor::ones(128, DType::F32, &dev).unwrap();
+    let rows = SlotRows::new(vec![0, 1]);
+    for (k, v) in [(8, 4), (4, 5), (6, 4)] {
+        let (pk, pv) = (pool(f(k)), pool(f(v)));
+        let e =
+            format::quantize_rotated_into_rows(&x, &x, (f(k), f(v)), &pk, &pv, &rows, &signs, 128)
+                .unwrap_err()
+                .to_string();
+        assert!(
+            e.contains(&format!(
+                "no fused kernel for {k}-bit g64 keys with {v}-bit g64 values"
+            )),
+            "{k}/{v}: {e}"
+        );
+    }
+}
+
 /// The fused rotate-and-quantize write against rotating (matmul) then quantizing, for one width
 /// and for keys one bit wider than values: the two rotations differ only in rounding, so codes agree except at rounding boundaries and every
 /// dequantized value within one code step; slots not written stay untouched.

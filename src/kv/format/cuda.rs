@@ -352,13 +352,13 @@ pub(super) fn quantize_rot_into_rows(
         Ok(())
     }
     let sizes = (hd, d, n);
-    let (x, pools, fmt) = ([&xk, &xv], [dk, dv], (fmt, vfmt));
+    let (x, pools, fmts) = ([&xk, &xv], [dk, dv], (fmt, vfmt));
     match (xk.dtype(), dk.scales.dtype()) {
-        (DType::F32, DType::F32) => run::<f32, f32>(x, pools, fmt, rows, signs, sizes),
-        (DType::F32, DType::F16) => run::<f32, f16>(x, pools, fmt, rows, signs, sizes),
-        (DType::F32, DType::BF16) => run::<f32, bf16>(x, pools, fmt, rows, signs, sizes),
-        (DType::F16, DType::F16) => run::<f16, f16>(x, pools, fmt, rows, signs, sizes),
-        (DType::BF16, DType::BF16) => run::<bf16, bf16>(x, pools, fmt, rows, signs, sizes),
+        (DType::F32, DType::F32) => run::<f32, f32>(x, pools, fmts, rows, signs, sizes),
+        (DType::F32, DType::F16) => run::<f32, f16>(x, pools, fmts, rows, signs, sizes),
+        (DType::F32, DType::BF16) => run::<f32, bf16>(x, pools, fmts, rows, signs, sizes),
+        (DType::F16, DType::F16) => run::<f16, f16>(x, pools, fmts, rows, signs, sizes),
+        (DType::BF16, DType::BF16) => run::<bf16, bf16>(x, pools, fmts, rows, signs, sizes),
         (_, other) => Err(QuantError::DType {
             op: "quantize_rot_into_rows",
             dtype: other,

@@ -83,13 +83,15 @@ KVQ_MERGE(bf16, __nv_bfloat16)
     q, scale, kc, ks, kb, vc, vs, vb, tables, starts, lens, max_blocks, num_blocks, block_size, kvh, \
         G, group, split_len, part_acc, part_ml, signs, rotated, out, counters, nsplit
 
-// SIMT scores, any width: decode_q_<dtype>_b<bits>_d<head_dim>.
-#define KVQ_Q(TNAME, T, B, D)                                                                        \
+// SIMT scores, KB-bit keys and VB-bit values: decode_q_<dtype>_b<W>_d<head_dim>, W the one width,
+// or <key bits>v<value bits> for keys one bit wider (the splits of --kv-bits 2.5 … 5.5).
+#define KVQ_QW(TNAME, T, KB, VB, W, D)                                                               \
     extern "C" __global__ void __launch_bounds__(QW * 32, 4)                                        \
-        decode_q_##TNAME##_b##B##_d##D(KVQ_Q_ARGS(T)) {                                                \
+        decode_q_##TNAME##_b##W##_d##D(KVQ_Q_ARGS(T)) {                                                \
         pdl_start();                                                                                \
-        qdecode_impl<T, B, D, 0>(KVQ_Q_PASS);                                                        \
+        qdecode_impl<T, KB, D, 0, VB>(KVQ_Q_PASS);                                                   \
     }
+#define KVQ_Q(TNAME, T, B, D) KVQ_QW(TNAME, T, B, B, B, D)
 
 // Tensor-core scores, 4- and 8-bit: decode_qm_<dtype>_b<bits>_d<head_dim>_g<group>. 4-bit fits
 // 128 registers (4 blocks per SM), 8-bit needs more (3); the host asks the driver.
@@ -100,16 +102,9 @@ KVQ_MERGE(bf16, __nv_bfloat16)
         qdecode_impl<T, B, D, GS>(KVQ_Q_PASS);                                                       \
     }
 
-// SIMT scores, keys one bit wider than values: decode_q_<dtype>_b<key bits>v<value bits>_d<D>.
-#define KVQ_QKV(TNAME, T, KB, VB, D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(QW * 32, 4)                                        \
-        decode_q_##TNAME##_b##KB##v##VB##_d##D(KVQ_Q_ARGS(T)) {                                       \
-        pdl_start();                                                                                \
-        qdecode_impl<T, KB, D, 0, VB>(KVQ_Q_PASS);                                                   \
-    }
 #define KVQ_QKV_D(TNAME, T, D)                                                                       \
-    KVQ_QKV(TNAME, T, 3, 2, D) KVQ_QKV(TNAME, T, 4, 3, D) KVQ_QKV(TNAME, T, 5, 4, D)                 \
-    KVQ_QKV(TNAME, T, 6, 5, D)
+    KVQ_QW(TNAME, T, 3, 2, 3v2, D) KVQ_QW(TNAME, T, 4, 3, 4v3, D) KVQ_QW(TNAME, T, 5, 4, 5v4, D)     \
+    KVQ_QW(TNAME, T, 6, 5, 6v5, D)
 
 #define KVQ_Q_D(TNAME, T, D)                                                                         \
     KVQ_Q(TNAME, T, 2, D) KVQ_Q(TNAME, T, 3, D) KVQ_Q(TNAME, T, 4, D)                                \

@@ -183,6 +183,18 @@ __device__ __forceinline__ void dot_pair(const float* xs, const T* __restrict__ 
     }
 }
 
+// A row's two sums plus the outputs' biases, rounded to T as the unfused matmul's output is.
+template <typename T>
+__device__ __forceinline__ void pair_out(float s0, float s1, const T* __restrict__ bias, int o0,
+                                         int o1, T& t0, T& t1) {
+    if (bias != nullptr) {
+        s0 += to_f(bias[o0]);
+        s1 += to_f(bias[o1]);
+    }
+    t0 = from_f<T>(s0);
+    t1 = from_f<T>(s1);
+}
+
 template <typename T, int R>
 __device__ __forceinline__ void gemv(const T* __restrict__ a, const T* __restrict__ res_in,
                                      const T* __restrict__ norm_w, float eps, T* __restrict__ s_out,
@@ -216,23 +228,11 @@ __device__ __forceinline__ void gemv(const T* __restrict__ a, const T* __restric
     for (int r = 0; r < R; r++) {
         if (r >= rows) break;
         if (lane != r % 32) continue;
-        float s0 = acc0[r], s1 = acc1[r];
-        if (bias != nullptr) {
-            s0 += to_f(bias[o0]);
-            s1 += to_f(bias[o1]);
-        }
-        const T t0 = from_f<T>(s0), t1 = from_f<T>(s1);
+        T t0, t1;
+        pair_out<T>(acc0[r], acc1[r], bias, o0, o1, t0, t1);
         const size_t at = (size_t)r * outs;
         if (mode == 2) {
-            const float g = to_f(t0), up = to_f(t1);
-            float act;
-            if (gelu) {
-                const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-                act = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
-            } else {
-                act = g / (1.f + expf(-g));
-            }
-            static_cast<T*>(y)[at + o0] = from_f<T>(act * up);
+            static_cast<T*>(y)[at + o0] = from_f<T>(gate_act(to_f(t0), gelu) * to_f(t1));
         } else if (mode == 3) {
             static_cast<float*>(y)[at + o0] = to_f(t0);
             if (o1 != o0) static_cast<float*>(y)[at + o1] = to_f(t1);
@@ -281,12 +281,8 @@ __device__ __forceinline__ void gemv_rope(const T* __restrict__ a, const T* __re
     for (int r = 0; r < R; r++) {
         if (r >= rows) break;
         if (lane != r % 32) continue;
-        float s0 = acc0[r], s1 = acc1[r];
-        if (bias != nullptr) {
-            s0 += to_f(bias[o0]);
-            s1 += to_f(bias[o1]);
-        }
-        const T x1 = from_f<T>(s0), x2 = from_f<T>(s1);
+        T x1, x2;
+        pair_out<T>(acc0[r], acc1[r], bias, o0, o1, x1, x2);
         const size_t row = slots != nullptr ? (size_t)slots[r] : (size_t)r;
         if (h >= heads + kv_heads) {
             T* dst = v_out + (row * kv_heads + (h - heads - kv_heads)) * d;

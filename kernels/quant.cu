@@ -181,22 +181,10 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
 }
 
 // K and V of a step in one launch (grid y: 0 = K, 1 = V), input IT (f32 or the pool's type),
-// head_dim D: quantize_rot_rows_<input>_<pool>_b<bits>_d<D>.
-#define KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, D)                                                    \
-    extern "C" __global__ void quantize_rot_rows_##INAME##_##TNAME##_b##B##_d##D(                   \
-        const IT* xk, const IT* xv, uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb,         \
-        uint64_t nchunks, int group, const uint32_t* rows, uint64_t cpr, const float* signs) {     \
-        pdl_start();                                                                                \
-        if (blockIdx.y == 0)                                                                        \
-            quantize_rot_impl<IT, T, B, D>(xk, kc, ks, kb, nchunks, group, rows, cpr, signs);       \
-        else                                                                                        \
-            quantize_rot_impl<IT, T, B, D>(xv, vc, vs, vb, nchunks, group, rows, cpr, signs);       \
-    }
-
-// The same with keys one bit wider than values (the splits of --kv-bits 2.5 … 5.5):
-// quantize_rot_rows_<input>_<pool>_b<key bits>v<value bits>_d<D>.
-#define KVQ_QUANT_ROT_KV(INAME, IT, TNAME, T, KB, VB, D)                                            \
-    extern "C" __global__ void quantize_rot_rows_##INAME##_##TNAME##_b##KB##v##VB##_d##D(           \
+// KB-bit keys and VB-bit values, head_dim D: quantize_rot_rows_<input>_<pool>_b<W>_d<D>, W the
+// one width, or <key bits>v<value bits> for keys one bit wider (the splits of --kv-bits 2.5 … 5.5).
+#define KVQ_QUANT_ROT(INAME, IT, TNAME, T, KB, VB, W, D)                                            \
+    extern "C" __global__ void quantize_rot_rows_##INAME##_##TNAME##_b##W##_d##D(                   \
         const IT* xk, const IT* xv, uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb,         \
         uint64_t nchunks, int group, const uint32_t* rows, uint64_t cpr, const float* signs) {     \
         pdl_start();                                                                                \
@@ -225,16 +213,14 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
         dequantize_impl<T, O, B>(codes, scales, biases, out, nchunks, group);                       \
     }
 
-#define KVQ_ROT_D(INAME, IT, TNAME, T, B)                                                           \
-    KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, 64) KVQ_QUANT_ROT(INAME, IT, TNAME, T, B, 128)
-#define KVQ_ROT_KV_D(INAME, IT, TNAME, T, KB, VB)                                                   \
-    KVQ_QUANT_ROT_KV(INAME, IT, TNAME, T, KB, VB, 64) KVQ_QUANT_ROT_KV(INAME, IT, TNAME, T, KB, VB, 128)
+#define KVQ_ROT_D(INAME, IT, TNAME, T, KB, VB, W)                                                  \
+    KVQ_QUANT_ROT(INAME, IT, TNAME, T, KB, VB, W, 64) KVQ_QUANT_ROT(INAME, IT, TNAME, T, KB, VB, W, 128)
 #define KVQ_ROT_ALL(INAME, IT, TNAME, T)                                                             \
-    KVQ_ROT_D(INAME, IT, TNAME, T, 2) KVQ_ROT_D(INAME, IT, TNAME, T, 3)                             \
-    KVQ_ROT_D(INAME, IT, TNAME, T, 4) KVQ_ROT_D(INAME, IT, TNAME, T, 5)                             \
-    KVQ_ROT_D(INAME, IT, TNAME, T, 6) KVQ_ROT_D(INAME, IT, TNAME, T, 8)                             \
-    KVQ_ROT_KV_D(INAME, IT, TNAME, T, 3, 2) KVQ_ROT_KV_D(INAME, IT, TNAME, T, 4, 3)                 \
-    KVQ_ROT_KV_D(INAME, IT, TNAME, T, 5, 4) KVQ_ROT_KV_D(INAME, IT, TNAME, T, 6, 5)
+    KVQ_ROT_D(INAME, IT, TNAME, T, 2, 2, 2) KVQ_ROT_D(INAME, IT, TNAME, T, 3, 3, 3)                 \
+    KVQ_ROT_D(INAME, IT, TNAME, T, 4, 4, 4) KVQ_ROT_D(INAME, IT, TNAME, T, 5, 5, 5)                 \
+    KVQ_ROT_D(INAME, IT, TNAME, T, 6, 6, 6) KVQ_ROT_D(INAME, IT, TNAME, T, 8, 8, 8)                 \
+    KVQ_ROT_D(INAME, IT, TNAME, T, 3, 2, 3v2) KVQ_ROT_D(INAME, IT, TNAME, T, 4, 3, 4v3)             \
+    KVQ_ROT_D(INAME, IT, TNAME, T, 5, 4, 5v4) KVQ_ROT_D(INAME, IT, TNAME, T, 6, 5, 6v5)
 #define KVQ_QUANT_ALL(XNAME, X, TNAME, T)                                                           \
     KVQ_QUANT(XNAME, X, TNAME, T, 2) KVQ_QUANT(XNAME, X, TNAME, T, 3)                               \
     KVQ_QUANT(XNAME, X, TNAME, T, 4) KVQ_QUANT(XNAME, X, TNAME, T, 5)                               \

@@ -16,7 +16,7 @@
 //! two rows it depends on the model (default model 2.13–2.18K against 1.66–1.75K; Qwen3-0.6B's
 //! shape at 50K context 466.5 against 486.5, where cuBLAS streams the larger weights better).
 //! A variant with one wave of blocks looping over units, 6 blocks per SM and fewer loads in
-//! flight per thread was faster at 2–8 rows but 1–4% slower at one row, so it was not kept.
+//! flight per thread was faster at 2–8 rows but 1–8% slower at one row, so it was not kept.
 //! `KVQ_GPU_GEMV` (read once per process) sets the most rows: `off`, `on` (all 8), or a number.
 //! The kernels are tested against the unfused ops by this module's CUDA tests and the engine's
 //! graph-vs-eager test (tests/it/cuda_graphs.rs) runs with them on and off.

@@ -413,16 +413,6 @@ fn affine_out(
             vfmt.group_size()
         )));
     }
-    let ng = d.head_dim / group;
-    // Per side: code words per slot and per head row, groups per slot.
-    let side = |f: QuantFormat| {
-        (
-            f.words_per_row(width),
-            f.words_per_row(d.head_dim),
-            f.groups_per_row(width),
-        )
-    };
-    let (ksz, vsz) = (side(kfmt), side(vfmt));
     macro_rules! affine {
         ($t:ty, $kb:literal, $vb:literal) => {{
             let kc = slice::<u32>(&sl[0].0, sl[0].1)?;
@@ -430,38 +420,23 @@ fn affine_out(
             let params = [1, 2, 4, 5].map(|i| slice::<$t>(&sl[i].0, sl[i].1));
             let [ks, kb, vs, vb] = params;
             let (ks, kb, vs, vb) = (ks?, kb?, vs?, vb?);
-            for (x, (row_words, _, _)) in [(kc, ksz), (vc, vsz)] {
-                if x.len() < slots * row_words {
-                    return Err(pool_err("codes", x.len(), slots * row_words));
+            for (x, f) in [(kc, kfmt), (vc, vfmt)] {
+                let need = slots * f.words_per_row(width);
+                if x.len() < need {
+                    return Err(pool_err("codes", x.len(), need));
                 }
             }
-            for (x, (_, _, row_groups)) in [(ks, ksz), (kb, ksz), (vs, vsz), (vb, vsz)] {
-                if x.len() < slots * row_groups {
-                    return Err(pool_err("scales/biases", x.len(), slots * row_groups));
+            for (x, f) in [(ks, kfmt), (kb, kfmt), (vs, vfmt), (vb, vfmt)] {
+                let need = slots * f.groups_per_row(width);
+                if x.len() < need {
+                    return Err(pool_err("scales/biases", x.len(), need));
                 }
             }
             run(plan, qv, d, t, group, isa, |kh| {
-                let k = AffineRows::<$t, $kb> {
-                    codes: kc,
-                    scales: ks,
-                    biases: kb,
-                    row_words: ksz.0,
-                    head_word: kh * ksz.1,
-                    head_words: ksz.1,
-                    row_groups: ksz.2,
-                    head_group: kh * ng,
-                };
-                let v = AffineRows::<$t, $vb> {
-                    codes: vc,
-                    scales: vs,
-                    biases: vb,
-                    row_words: vsz.0,
-                    head_word: kh * vsz.1,
-                    head_words: vsz.1,
-                    row_groups: vsz.2,
-                    head_group: kh * ng,
-                };
-                (k, v)
+                (
+                    AffineRows::<$t, $kb>::new(kfmt, (kc, ks, kb), d.kv_heads, d.head_dim, kh),
+                    AffineRows::<$t, $vb>::new(vfmt, (vc, vs, vb), d.kv_heads, d.head_dim, kh),
+                )
             })
         }};
     }

@@ -2,6 +2,7 @@
 //! each cache format ([`DenseRows`], [`AffineRows`]) over the vector operations of [`Simd`].
 //! A new format adds its view here (docs/ARCHITECTURE.md).
 
+use crate::kv::format::QuantFormat;
 use crate::simd::{Elem, Simd};
 
 /// One (KV head, K or V) view of a layer's pool: where a slot's row starts and how to decode it.
@@ -117,6 +118,30 @@ pub(super) struct AffineRows<'a, T, const B: u32> {
     /// Groups per slot and this head's first group in a slot.
     pub row_groups: usize,
     pub head_group: usize,
+}
+
+impl<'a, T, const B: u32> AffineRows<'a, T, B> {
+    /// KV head `kh`'s view of a pool in `fmt` holding `kv_heads` head rows of `head_dim` values
+    /// per slot: its codes, scales and biases.
+    pub(super) fn new(
+        fmt: QuantFormat,
+        (codes, scales, biases): (&'a [u32], &'a [T], &'a [T]),
+        kv_heads: usize,
+        head_dim: usize,
+        kh: usize,
+    ) -> Self {
+        let head_words = fmt.words_per_row(head_dim);
+        AffineRows {
+            codes,
+            scales,
+            biases,
+            row_words: fmt.words_per_row(kv_heads * head_dim),
+            head_word: kh * head_words,
+            head_words,
+            row_groups: fmt.groups_per_row(kv_heads * head_dim),
+            head_group: kh * (head_dim / fmt.group_size()),
+        }
+    }
 }
 
 impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {

@@ -123,6 +123,16 @@ fn every_vector_code_matches_reference() {
     }
 }
 
+/// The contract's measure of an output against the reference: max |error| / max |reference|.
+fn contract_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale
+}
+
 /// Every vector implementation matches the generic reference at head_dim 128 for every bit
 /// width × group size × GQA ratio {1, 3, 8} (query-head chunks of 1, 3 and 4+4; 4-bit
 /// tables; column blocks spanning one group, two groups, or half a group), with ragged
@@ -139,15 +149,8 @@ fn every_isa_matches_reference_all_formats() {
                 let fmt = QuantFormat::new(bits, group).unwrap();
                 let kv = f.pool(KvFormat::affine(fmt, DType::F32, false));
                 let (want, got) = f.outputs(&q, &kv, 0.1);
-                // The contract's measure: max |error| / max |reference|.
-                let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
                 for (isa, got) in got {
-                    let err = got
-                        .iter()
-                        .zip(&want)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0f32, f32::max)
-                        / scale;
+                    let err = contract_err(&got, &want);
                     assert!(err < 1e-4, "{bits}-bit g{group} GQA {g} {isa:?}: {err}");
                 }
             }
@@ -216,14 +219,8 @@ fn keys_one_bit_wider_than_values_match_reference() {
                     });
                     assert!(QuantFormat::one_bit_wider(fmt(kb), fmt(vb)));
                     let (want, got) = f.outputs(&q, &kv, 0.1);
-                    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
                     for (isa, got) in got {
-                        let err = got
-                            .iter()
-                            .zip(&want)
-                            .map(|(a, b)| (a - b).abs())
-                            .fold(0f32, f32::max)
-                            / scale;
+                        let err = contract_err(&got, &want);
                         assert!(
                             err < 1e-4,
                             "K{kb}/V{vb} g{group} hd{hd} GQA {g} {isa:?}: {err}"

@@ -15,8 +15,8 @@ use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 pub(super) use plan::warp_reads;
 use plan::{
-    choose, plan, resident_blocks, sm_count, DENSE_GRANULE, MAX_HEAD_DIM, TARGET_BLOCKS, THREADS,
-    TILE,
+    affine_warp, choose, plan, resident_blocks, sm_count, DENSE_GRANULE, MAX_HEAD_DIM,
+    TARGET_BLOCKS, THREADS, TILE,
 };
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -313,11 +313,12 @@ fn launch_affine(
 }
 
 /// Whether [`decode`] reads `kv` with queries `q`: one width for K and V, or keys one bit wider
-/// than values on the warp kernel (the block-wide kernel reads one width).
+/// than values on the warp kernel (the block-wide kernel reads one width). Asked per layer and
+/// step: the planner's rule alone, not the whole choice (whose kernel name `decode` builds).
 pub(super) fn reads(q: &Tensor, kv: &LayerKv, dims: &Dims) -> bool {
     match kv {
-        LayerKv::Affine { kfmt, vfmt, .. } if kfmt != vfmt => {
-            choose(q, kv, dims).is_ok_and(|c| c.warp)
+        LayerKv::Affine { kfmt, vfmt, k, .. } if kfmt != vfmt => {
+            affine_warp(q.dtype(), (kfmt, vfmt), k.scales.dtype(), dims)
         }
         _ => true,
     }

@@ -75,9 +75,10 @@ pub(super) fn resident_blocks(f: &CudaFunction, name: &str, smem: usize) -> Resu
     }
     let n = f
         .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
-        .w()? as usize;
-    m.insert(name.to_string(), n.max(1));
-    Ok(n.max(1))
+        .w()?
+        .max(1) as usize;
+    m.insert(name.to_string(), n);
+    Ok(n)
 }
 
 /// Splits per (sequence, KV head) and positions per split, from the table's capacity (the
@@ -128,9 +129,7 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
     let choice = decode_override();
     let warp = match kv {
         LayerKv::Affine { kfmt, vfmt, k, .. } => {
-            warp_reads(kfmt, vfmt, k.scales.dtype(), q.dtype(), d)
-                && fits_u32_rows(dims)
-                && choice != "v1"
+            affine_warp(q.dtype(), (kfmt, vfmt), k.scales.dtype(), dims)
         }
         // Dense f16 / bf16 pools read with queries of their own type (the SIMT steps), at
         // head_dim 64: at 128 the block-wide kernel measured faster (H100, seed-002 shape,
@@ -211,6 +210,19 @@ pub(crate) fn warp_reads(
     (kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt))
         && !(q == DType::F32 && scales != DType::F32)
         && matches!(d, 64 | 128)
+}
+
+/// Whether an affine pool (keys in `kfmt`, values in `vfmt`, scales of `scales`) takes the warp
+/// kernel for queries of `q` ([`choose`]'s rule, without naming the kernel).
+pub(super) fn affine_warp(
+    q: DType,
+    (kfmt, vfmt): (&QuantFormat, &QuantFormat),
+    scales: DType,
+    dims: &Dims,
+) -> bool {
+    warp_reads(kfmt, vfmt, scales, q, dims.head_dim)
+        && fits_u32_rows(dims)
+        && decode_override() != "v1"
 }
 
 /// Whether every (slot, KV head) row of the pool has a 32-bit index (the warp kernel's).

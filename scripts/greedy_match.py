@@ -14,6 +14,8 @@ settings = {
     "rotated4": ["--kv-bits", "4", "--kv-quant-scheme", "rotated"],
     "rotated8": ["--kv-bits", "8"],
     "k6v4": ["--kv-key-bits", "6", "--kv-value-bits", "4"],
+    "split4.5": ["--kv-bits", "4.5"],
+    "split3.5": ["--kv-bits", "3.5"],
 }
 def run(case, extra, tmp):
     args = [KVQ, "generate", "--temp", "0", "--dtype", "f32", "--dequantize", "--max-tokens", "48", "--json"]

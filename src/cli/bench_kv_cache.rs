@@ -10,8 +10,8 @@
     clippy::panic
 )]
 
-use crate::bench::kv_cache::{self, BenchConfig, Progress, Report};
-use crate::cli::args::{DTypeArg, DeviceArgs};
+use crate::bench::kv_cache::{self, BenchConfig, Progress, Report, Widths};
+use crate::cli::args::{DTypeArg, DeviceArgs, KvBitsArg};
 use anyhow::{bail, Result};
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -65,7 +65,9 @@ pub struct BenchKvCacheArgs {
     /// Sequences.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Comma-separated bit widths, one table row each (allowed: 2, 3, 4, 5, 6, 8).
+    /// Comma-separated settings, one table row each: a bit width for K and V (2, 3, 4, 5, 6,
+    /// 8), an average as `--kv-bits` takes it (2.5, 3.5, 4.5, 5.5: keys one bit wider than
+    /// values, 4.5 = K5/V4), or KEY/VALUE widths (e.g. 6/4).
     #[arg(long, default_value = "8,4", value_name = "LIST")]
     pub bits: String,
     /// Values per scale/bias group (allowed: 32, 64, 128).
@@ -107,19 +109,26 @@ fn parse_seq_lens(s: &str) -> Result<Vec<usize>> {
         .collect()
 }
 
-/// Parses `8,4` into bit widths; rejects empty entries.
-fn parse_bits(s: &str) -> Result<Vec<u32>> {
+/// What `--bits` entries may be, for messages.
+const BITS_ALLOWED: &str =
+    "allowed: 2, 3, 4, 5, 6, 8, the averages 2.5, 3.5, 4.5, 5.5, or KEY/VALUE like 6/4";
+
+/// Parses `8,4.5,6/4` into settings; rejects empty or malformed entries (widths are checked
+/// against the formats by [`BenchConfig::validate`]).
+fn parse_bits(s: &str) -> Result<Vec<Widths>> {
     let mut out = Vec::new();
     for part in s.split(',') {
         let part = part.trim();
         if part.is_empty() {
-            bail!("--bits '{s}': empty entry (give a list like 8,4; allowed: 2, 3, 4, 5, 6, 8)");
+            bail!("--bits '{s}': empty entry (give a list like 8,4; {BITS_ALLOWED})");
         }
-        match part.parse::<u32>() {
-            Ok(b) => out.push(b),
-            Err(_) => {
-                bail!("--bits '{s}': '{part}' is not a bit width (allowed: 2, 3, 4, 5, 6, 8)")
-            }
+        let widths = match part.split_once('/') {
+            Some((k, v)) => k.trim().parse().ok().zip(v.trim().parse().ok()),
+            None => part.parse::<KvBitsArg>().ok().map(|b| (b.key, b.value)),
+        };
+        match widths {
+            Some((key, value)) => out.push(Widths { key, value }),
+            None => bail!("--bits '{s}': '{part}' is not a bit width ({BITS_ALLOWED})"),
         }
     }
     Ok(out)
@@ -325,6 +334,12 @@ fn attn_table(r: &Report) -> Table {
     t
 }
 
+/// A setting in the CSV's `bits` column: the width, or the average as `--kv-bits` names it
+/// (the mode column says which widths).
+fn csv_bits(w: Widths) -> String {
+    serde_json::to_string(&w).unwrap_or_default()
+}
+
 /// The table's rows, then (if measured) a blank line and the attention rows with their own header.
 fn csv(r: &Report) -> String {
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
@@ -336,7 +351,7 @@ fn csv(r: &Report) -> String {
         out.push_str(&format!(
             "{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             row.mode,
-            row.bits.map_or(String::new(), |b| b.to_string()),
+            row.bits.map_or(String::new(), csv_bits),
             row.bytes,
             row.compression,
             row.bits_per_value,
@@ -357,7 +372,7 @@ fn csv(r: &Report) -> String {
                 "{},{},{},{},{},{},{},{}\n",
                 a.seq_len,
                 a.mode,
-                a.bits.map_or(String::new(), |b| b.to_string()),
+                a.bits.map_or(String::new(), csv_bits),
                 a.ms,
                 a.speedup_vs_dense,
                 a.max_abs_error,

@@ -1,7 +1,7 @@
 //! `kvq bench-kv-cache` through the real binary: table, JSON, CSV, refusals, and the exact
 //! memory figures of the default shape (computed from the format, without allocating 512 MiB).
 
-use kvq::bench::kv_cache::BenchConfig;
+use kvq::bench::kv_cache::{BenchConfig, Widths};
 use kvq::kv::format::QuantFormat;
 use std::process::{Command, Output};
 
@@ -105,6 +105,45 @@ fn json_has_config_and_rows() {
     assert!((e4 / 0.07711 - 1.0).abs() < 0.05, "4-bit mean error {e4}");
 }
 
+/// Settings whose keys are wider than their values (`--bits 4.5`, `6/4`): rows named by both
+/// widths, bytes and bits per value of K and V each in its own format, an error between the two
+/// sides' alone, and an attention row through the same formats.
+#[test]
+fn split_widths_rows() {
+    let mut args = SMALL.to_vec();
+    args.extend(["--json", "--dtype", "f32", "--bits", "5,4.5,4,6/4"]);
+    let out = kvq(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["config"]["bits"], serde_json::json!([5, 4.5, 4, 5.0]));
+    let rows = v["rows"].as_array().unwrap();
+    let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(
+        modes,
+        ["f32 (dense)", "5-bit", "K5/V4-bit", "4-bit", "K6/V4-bit"]
+    );
+    assert_eq!(rows[2]["bits"], 4.5);
+    // Half the values (K) at 5.5 bits, half (V) at 4.5 (f16 scales, g64).
+    assert_eq!(rows[2]["bits_per_value"], 5.0);
+    assert_eq!(rows[4]["bits_per_value"], 5.5);
+    let bytes = |i: usize| rows[i]["bytes"].as_u64().unwrap();
+    assert_eq!(2 * bytes(2), bytes(1) + bytes(3));
+    let err = |i: usize| rows[i]["mean_error"].as_f64().unwrap();
+    assert!(err(1) < err(2) && err(2) < err(3), "{rows:?}");
+    assert!(
+        (err(2) - (err(1) + err(3)) / 2.0).abs() < 0.02 * err(3),
+        "{rows:?}"
+    );
+    let att = v["attention"].as_array().unwrap();
+    let aerr = |i: usize| att[i]["max_abs_error"].as_f64().unwrap();
+    assert_eq!(att[2]["mode"], "K5/V4-bit");
+    assert!(aerr(2) > 0.0 && aerr(2) < aerr(3), "{att:?}");
+}
+
 #[test]
 fn csv_has_header_and_one_line_per_row() {
     let mut args = SMALL.to_vec();
@@ -135,6 +174,9 @@ fn bad_flags_give_one_line_errors() {
         ("--bits", "7", "2, 3, 4, 5, 6, 8"),
         ("--bits", "", "empty"),
         ("--bits", "8,,4", "empty"),
+        ("--bits", "7.5", "4.5"),
+        ("--bits", "9/4", "2, 3, 4, 5, 6, 8"),
+        ("--bits", "4/x", "KEY/VALUE"),
         ("--group-size", "48", "32, 64, 128"),
         ("--head-dim", "96", "group"),
         ("--layers", "0", "--layers"),
@@ -188,7 +230,7 @@ fn default_shape_memory_matches_the_issue() {
             heads: 32,
             head_dim: 128,
             batch: 1,
-            bits: vec![8, 4],
+            bits: vec![Widths::same(8), Widths::same(4)],
             group_size: 64,
             dtype,
             seed: 0,
@@ -197,10 +239,11 @@ fn default_shape_memory_matches_the_issue() {
             rotated: false,
         };
         cfg.validate().unwrap();
-        let (b8, b4) = (
-            cfg.quantized_bytes(QuantFormat::new(8, 64).unwrap()),
-            cfg.quantized_bytes(QuantFormat::new(4, 64).unwrap()),
-        );
+        let bytes = |b: u32| {
+            let f = QuantFormat::new(b, 64).unwrap();
+            cfg.quantized_bytes(f, f)
+        };
+        let (b8, b4) = (bytes(8), bytes(4));
         assert_eq!(
             (mib(cfg.dense_bytes()), mib(b8), mib(b4)),
             (dense.into(), q8.into(), q4.into())

@@ -2,7 +2,7 @@
 //! paged attention per context length and mode, timed, and its largest difference from the
 //! dense cache's output.
 
-use super::{time_ms, BenchConfig, Progress};
+use super::{time_ms, BenchConfig, Progress, Widths};
 use crate::kv::attend::decode::decode_attention_rotated;
 use crate::kv::format::rotation::{Rotation, DEFAULT_SEED};
 use crate::kv::format::{KvFormat, LayerKv, QuantFormat};
@@ -18,7 +18,7 @@ use serde::Serialize;
 pub struct AttnRow {
     pub seq_len: usize,
     pub mode: String,
-    pub bits: Option<u32>,
+    pub bits: Option<Widths>,
     /// Median time of one layer's decode attention for the whole batch.
     pub ms: f64,
     /// Dense time / this time, same context length.
@@ -50,7 +50,7 @@ fn randn_par(n: usize, seed: u64) -> Vec<f32> {
 /// Decode-step attention at context `len`: dense baseline, then each format, same data.
 pub(super) fn rows(
     cfg: &BenchConfig,
-    fmts: &[QuantFormat],
+    fmts: &[(QuantFormat, QuantFormat)],
     len: usize,
     device: &Device,
     progress: &dyn Progress,
@@ -87,20 +87,25 @@ pub(super) fn rows(
     progress.step(&format!("attention data, {len} tokens"));
     let scale = 1.0 / (d as f32).sqrt();
     let kv_tokens = (batch * len) as u64;
-    let mut modes: Vec<(String, Option<u32>, KvFormat)> = vec![(
+    let mut modes: Vec<(String, Option<Widths>, KvFormat)> = vec![(
         format!("{} (dense)", cfg.dtype.as_str()),
         None,
         KvFormat::Dense(cfg.dtype),
     )];
-    for f in fmts {
+    for (&widths, &(key, value)) in cfg.bits.iter().zip(fmts) {
         for rotated in [false, true] {
             if rotated && !cfg.rotated {
                 continue;
             }
             modes.push((
-                format!("{}-bit{}", f.bits(), if rotated { " rotated" } else { "" }),
-                Some(f.bits()),
-                KvFormat::affine(*f, cfg.scale_dtype(), rotated),
+                format!("{widths}-bit{}", if rotated { " rotated" } else { "" }),
+                Some(widths),
+                KvFormat::Affine {
+                    key,
+                    value,
+                    scale_dtype: cfg.scale_dtype(),
+                    rotated,
+                },
             ));
         }
     }

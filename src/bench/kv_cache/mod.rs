@@ -11,7 +11,8 @@
 //! Attention columns: for each context length of `seq_lens`, one decode step of attention
 //! ([`decode_attention`]) for a batch of `batch` sequences over one layer's paged pool (blocks of
 //! `block_size` tokens in shuffled order, `heads` KV heads, `heads * gqa` query heads), per mode:
-//! the dense cache of `dtype` and each bit width. Times are per layer, medians, device-synchronised;
+//! the dense cache of `dtype` and each setting of `bits` (one width, or keys and values of
+//! different widths as `--kv-bits 4.5` stores them). Times are per layer, medians, device-synchronised;
 //! the error is max |out - out_dense| over the attention outputs (same K/V data, same queries).
 
 use crate::kv::format::rotation::Rotation;
@@ -44,7 +45,8 @@ pub struct BenchConfig {
     pub heads: usize,
     pub head_dim: usize,
     pub batch: usize,
-    pub bits: Vec<u32>,
+    /// The quantized settings, one table row each.
+    pub bits: Vec<Widths>,
     pub group_size: usize,
     #[serde(serialize_with = "ser_dtype")]
     pub dtype: DType,
@@ -56,13 +58,58 @@ pub struct BenchConfig {
     pub rotated: bool,
 }
 
+/// The bit widths of one quantized setting: K and V alike (`4`) or keys wider than values
+/// (`K5/V4`, what `--kv-bits 4.5` names). Serialized as the width, or the average (4.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Widths {
+    pub key: u32,
+    pub value: u32,
+}
+
+impl Widths {
+    /// K and V both `bits` wide.
+    pub fn same(bits: u32) -> Self {
+        Self {
+            key: bits,
+            value: bits,
+        }
+    }
+
+    /// The K and V formats of this setting with groups of `group_size`.
+    pub fn formats(self, group_size: usize) -> Result<(QuantFormat, QuantFormat)> {
+        let f = |b| QuantFormat::new(b, group_size);
+        Ok((f(self.key)?, f(self.value)?))
+    }
+}
+
+impl std::fmt::Display for Widths {
+    /// `4` or `K5/V4`: the prefix of a mode label (`4-bit`, `K5/V4-bit`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.key == self.value {
+            write!(f, "{}", self.key)
+        } else {
+            write!(f, "K{}/V{}", self.key, self.value)
+        }
+    }
+}
+
+impl Serialize for Widths {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        if self.key == self.value {
+            s.serialize_u32(self.key)
+        } else {
+            s.serialize_f64(f64::from(self.key + self.value) / 2.0)
+        }
+    }
+}
+
 fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(d.as_str())
 }
 
 impl BenchConfig {
     /// Refuses settings that cannot be measured, with one-line causes.
-    pub fn validate(&self) -> Result<Vec<QuantFormat>> {
+    pub fn validate(&self) -> Result<Vec<(QuantFormat, QuantFormat)>> {
         for (name, v) in [
             ("--layers", self.layers),
             ("--attn-layers", self.attn_layers),
@@ -91,12 +138,13 @@ impl BenchConfig {
         let fmts = self
             .bits
             .iter()
-            .map(|&b| QuantFormat::new(b, self.group_size))
+            .map(|&b| b.formats(self.group_size))
             .collect::<Result<Vec<_>, _>>()
             .context("invalid --bits / --group-size")?;
-        fmts[0]
-            .check_dim(self.head_dim)
-            .context("--head-dim must be a multiple of --group-size")?;
+        if let Some((k, _)) = fmts.first() {
+            k.check_dim(self.head_dim)
+                .context("--head-dim must be a multiple of --group-size")?;
+        }
         if self.rotated {
             Rotation::check(self.head_dim).map_err(|e| anyhow::anyhow!("--rotated: {e}"))?;
         }
@@ -167,10 +215,13 @@ impl BenchConfig {
         self.values() * self.dtype.size_in_bytes() as u64
     }
 
-    /// Bytes of the quantized cache: codes plus scales and biases as the cache stores them.
-    pub fn quantized_bytes(&self, fmt: QuantFormat) -> u64 {
-        let rows = self.values() / self.head_dim as u64;
-        rows * fmt.bytes_per_row(self.head_dim, self.scale_dtype()) as u64
+    /// Bytes of the quantized cache: codes plus scales and biases as the cache stores them, K in
+    /// `key`'s format and V in `value`'s.
+    pub fn quantized_bytes(&self, key: QuantFormat, value: QuantFormat) -> u64 {
+        // Rows of K (or V) of all layers.
+        let rows = self.values() / 2 / self.head_dim as u64;
+        let row = |f: QuantFormat| f.bytes_per_row(self.head_dim, self.scale_dtype()) as u64;
+        rows * (row(key) + row(value))
     }
 
     /// The dtype of the scales and biases a cache computing in `dtype` stores
@@ -184,7 +235,7 @@ impl BenchConfig {
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
     pub mode: String,
-    pub bits: Option<u32>,
+    pub bits: Option<Widths>,
     pub bytes: u64,
     pub compression: f64,
     pub bits_per_value: f64,
@@ -326,11 +377,16 @@ fn time_ms(
     Ok(median(times))
 }
 
-/// Mean and max |x - x̂| over all tensors, accumulated in f64.
-fn errors(xs: &[Tensor], qs: &[Quantized], fmt: QuantFormat) -> Result<(f64, f64)> {
+/// Mean and max |x - x̂| over all tensors (tensor `i` in format `fmt_of(i)`), accumulated in f64.
+fn errors(
+    xs: &[Tensor],
+    qs: &[Quantized],
+    fmt_of: impl Fn(usize) -> QuantFormat,
+) -> Result<(f64, f64)> {
     let (mut sum, mut max, mut count) = (0f64, 0f64, 0u64);
-    for (x, q) in xs.iter().zip(qs) {
-        let diff = (x.to_dtype(DType::F32)? - format::dequantize_as(q, fmt, DType::F32)?)?.abs()?;
+    for (i, (x, q)) in xs.iter().zip(qs).enumerate() {
+        let deq = format::dequantize_as(q, fmt_of(i), DType::F32)?;
+        let diff = (x.to_dtype(DType::F32)? - deq)?.abs()?;
         sum += diff.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         max = max.max(diff.max_all()?.to_scalar::<f32>()? as f64);
         count += x.elem_count() as u64;
@@ -372,7 +428,9 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
         dequantize_vs_memcpy: None,
     }];
 
-    for &fmt in &fmts {
+    for (&widths, &(kf, vf)) in cfg.bits.iter().zip(&fmts) {
+        // `xs` alternates K and V of each layer; each takes its own side's format.
+        let fmt_of = |i: usize| if i.is_multiple_of(2) { kf } else { vf };
         // Each result is dropped before the next tensor, exactly like the copy's and the
         // dequantize's, so all three time the same allocation pattern; the kept set is made
         // untimed.
@@ -380,42 +438,44 @@ pub fn run(cfg: &BenchConfig, device: &Device, progress: &dyn Progress) -> Resul
             cfg,
             device,
             progress,
-            &format!("quantize {}-bit", fmt.bits()),
+            &format!("quantize {widths}-bit"),
             || {
-                for x in &xs {
-                    drop(format::quantize_as(x, fmt, cfg.scale_dtype())?);
+                for (i, x) in xs.iter().enumerate() {
+                    drop(format::quantize_as(x, fmt_of(i), cfg.scale_dtype())?);
                 }
                 Ok(())
             },
         )?;
         let qs = xs
             .iter()
-            .map(|x| format::quantize_as(x, fmt, cfg.scale_dtype()))
+            .enumerate()
+            .map(|(i, x)| format::quantize_as(x, fmt_of(i), cfg.scale_dtype()))
             .collect::<candle_core::Result<Vec<Quantized>>>()?;
         let dq_ms = time_ms(
             cfg,
             device,
             progress,
-            &format!("dequantize {}-bit", fmt.bits()),
+            &format!("dequantize {widths}-bit"),
             || {
-                for q in &qs {
-                    drop(format::dequantize_as(q, fmt, cfg.dtype)?);
+                for (i, q) in qs.iter().enumerate() {
+                    drop(format::dequantize_as(q, fmt_of(i), cfg.dtype)?);
                 }
                 Ok(())
             },
         )?;
         let bytes: u64 = qs.iter().map(|q| q.bytes() as u64).sum();
-        debug_assert_eq!(bytes, cfg.quantized_bytes(fmt));
-        let (mean_error, max_error) = errors(&xs, &qs, fmt)?;
-        progress.step(&format!("errors {}-bit", fmt.bits()));
+        debug_assert_eq!(bytes, cfg.quantized_bytes(kf, vf));
+        let (mean_error, max_error) = errors(&xs, &qs, fmt_of)?;
+        progress.step(&format!("errors {widths}-bit"));
         let moved = dense + bytes;
         let (qg, dqg) = (gb(moved, q_ms), gb(moved, dq_ms));
+        let scales = cfg.scale_dtype();
         rows.push(Row {
-            mode: format!("{}-bit", fmt.bits()),
-            bits: Some(fmt.bits()),
+            mode: format!("{widths}-bit"),
+            bits: Some(widths),
             bytes,
             compression: dense as f64 / bytes as f64,
-            bits_per_value: fmt.bits_per_value(cfg.scale_dtype()),
+            bits_per_value: (kf.bits_per_value(scales) + vf.bits_per_value(scales)) / 2.0,
             mean_error,
             max_error,
             quantize_ms: Some(q_ms),

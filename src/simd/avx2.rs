@@ -143,8 +143,13 @@ impl Simd for Avx2 {
                 let bytes = row.cast::<u8>().add(at);
                 let x = if at + 8 <= words * 4 {
                     bytes.cast::<u64>().read_unaligned()
+                } else if at + B as usize >= 8 {
+                    // The row's last vector: the 8 bytes that end with its B, shifted down (no
+                    // read past the row, no copy through memory).
+                    let end = bytes.add(B as usize).sub(8).cast::<u64>().read_unaligned();
+                    end >> (8 * (8 - B))
                 } else {
-                    // The row's last vector: read only its B bytes.
+                    // A row shorter than 8 bytes: read only its B bytes.
                     let mut buf = [0u8; 8];
                     std::ptr::copy_nonoverlapping(bytes, buf.as_mut_ptr(), B as usize);
                     u64::from_le_bytes(buf)
@@ -189,7 +194,7 @@ mod tests {
     use super::*;
 
     /// Every code decoder agrees with the portable bit-stream reader on random words, for every
-    /// vector of a 128-value row (the last one included, where 3/5/6-bit reads stop short).
+    /// vector of rows of 32, 64 and 128 values (the last one included, where 3/5/6-bit reads stop short).
     #[test]
     fn code_decoders_match_portable() {
         if !available() {
@@ -202,9 +207,9 @@ mod tests {
             x ^= x << 17;
             x as u32
         };
-        fn check<const B: u32>(words: &[u32]) {
-            let n = 128 * B as usize / 32;
-            for v in 0..16 {
+        fn check<const B: u32>(words: &[u32], len: usize) {
+            let n = len * B as usize / 32;
+            for v in 0..len / 8 {
                 // SAFETY: `available` was checked; `words` holds the row's n words.
                 let (got, want) = unsafe {
                     let mut got = [0f32; 8];
@@ -213,7 +218,7 @@ mod tests {
                 };
                 assert_eq!(got, want, "bits {B} vector {v}");
             }
-            for u in 0..8 {
+            for u in 0..len / 16 {
                 // SAFETY: as above.
                 let (mut pair, mut one) = ([0f32; 16], [0f32; 16]);
                 unsafe {
@@ -229,16 +234,19 @@ mod tests {
             }
         }
         for _ in 0..50 {
-            // Exactly one row's words, so an over-read would leave the allocation.
-            for bits in [2usize, 3, 4, 5, 6, 8] {
-                let words: Vec<u32> = (0..128 * bits / 32).map(|_| next()).collect();
-                match bits {
-                    2 => check::<2>(&words),
-                    3 => check::<3>(&words),
-                    4 => check::<4>(&words),
-                    5 => check::<5>(&words),
-                    6 => check::<6>(&words),
-                    _ => check::<8>(&words),
+            // Exactly one row's words, so an over-read would leave the allocation; rows of 32
+            // values are shorter than one load, 64 and 128 end with vectors read from their end.
+            for len in [32, 64, 128] {
+                for bits in [2usize, 3, 4, 5, 6, 8] {
+                    let words: Vec<u32> = (0..len * bits / 32).map(|_| next()).collect();
+                    match bits {
+                        2 => check::<2>(&words, len),
+                        3 => check::<3>(&words, len),
+                        4 => check::<4>(&words, len),
+                        5 => check::<5>(&words, len),
+                        6 => check::<6>(&words, len),
+                        _ => check::<8>(&words, len),
+                    }
                 }
             }
         }

@@ -244,8 +244,17 @@ impl Simd for Avx512 {
                 let bytes = row.cast::<u8>().add(at);
                 let x = if at + 16 <= words * 4 {
                     _mm_loadu_si128(bytes.cast())
+                } else if at + n >= 16 {
+                    // Near the row's end: the 16 bytes that end with this vector's 2B, shifted
+                    // down (no read past the row, no copy through memory).
+                    let end = _mm_loadu_si128(bytes.add(n).sub(16).cast());
+                    match B {
+                        3 => _mm_srli_si128::<10>(end),
+                        5 => _mm_srli_si128::<6>(end),
+                        _ => _mm_srli_si128::<4>(end),
+                    }
                 } else {
-                    // Near the row's end: read only its 2B bytes.
+                    // A row shorter than 16 bytes: read only its 2B bytes.
                     let mut buf = [0u8; 16];
                     std::ptr::copy_nonoverlapping(bytes, buf.as_mut_ptr(), n);
                     _mm_loadu_si128(buf.as_ptr().cast())
@@ -316,7 +325,7 @@ mod tests {
     use super::*;
 
     /// Every code decoder agrees with the portable bit-stream reader on random words, for every
-    /// vector of a 128-value row (the last ones included, where 3/5/6-bit reads stop short).
+    /// vector of rows of 32, 64 and 128 values (the last ones included, where 3/5/6-bit reads stop short).
     #[test]
     fn code_decoders_match_portable() {
         if !available() {
@@ -329,15 +338,15 @@ mod tests {
             x ^= x << 17;
             x as u32
         };
-        fn check<const B: u32>(words: &[u32]) {
-            let n = 128 * B as usize / 32;
-            for v in 0..8 {
+        fn check<const B: u32>(words: &[u32], len: usize) {
+            let n = len * B as usize / 32;
+            for v in 0..len / 16 {
                 // SAFETY: `available` was checked; `words` holds the row's n words.
                 let (mut got, mut want) = ([0f32; 16], [0f32; 16]);
                 unsafe {
                     Avx512::store(got.as_mut_ptr(), Avx512::codes::<B>(words.as_ptr(), n, v));
                     let mut all = [0f32; 128];
-                    for u in 0..16 {
+                    for u in 0..len / 8 {
                         let p = Portable::codes::<B>(words.as_ptr(), n, u);
                         for (l, &x) in p.iter().enumerate() {
                             all[element(B, 8, u, l)] = x;
@@ -349,7 +358,7 @@ mod tests {
                 }
                 assert_eq!(got, want, "bits {B} vector {v}");
             }
-            for u in 0..4 {
+            for u in 0..len / 32 {
                 // SAFETY: as above.
                 let (mut pair, mut one) = ([0f32; 32], [0f32; 32]);
                 unsafe {
@@ -365,16 +374,19 @@ mod tests {
             }
         }
         for _ in 0..50 {
-            // Exactly one row's words, so an over-read would leave the allocation.
-            for bits in [2usize, 3, 4, 5, 6, 8] {
-                let words: Vec<u32> = (0..128 * bits / 32).map(|_| next()).collect();
-                match bits {
-                    2 => check::<2>(&words),
-                    3 => check::<3>(&words),
-                    4 => check::<4>(&words),
-                    5 => check::<5>(&words),
-                    6 => check::<6>(&words),
-                    _ => check::<8>(&words),
+            // Exactly one row's words, so an over-read would leave the allocation; rows of 32
+            // values are shorter than one load, 64 and 128 end with vectors read from their end.
+            for len in [32, 64, 128] {
+                for bits in [2usize, 3, 4, 5, 6, 8] {
+                    let words: Vec<u32> = (0..len * bits / 32).map(|_| next()).collect();
+                    match bits {
+                        2 => check::<2>(&words, len),
+                        3 => check::<3>(&words, len),
+                        4 => check::<4>(&words, len),
+                        5 => check::<5>(&words, len),
+                        6 => check::<6>(&words, len),
+                        _ => check::<8>(&words, len),
+                    }
                 }
             }
         }

@@ -303,52 +303,9 @@ impl SamplingArgs {
     }
 }
 
-/// `--kv-bits`: one width for K and V, or an average with a half whose keys are one bit wider
-/// than its values (3.5 = 4-bit K / 3-bit V). Whole widths are checked where the format is made
-/// (the message names the allowed widths); an average is checked here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvBitsArg {
-    pub key: u32,
-    pub value: u32,
-}
-
-impl KvBitsArg {
-    /// The setting as a JSON number: the width, or the average (3.5).
-    pub fn json(self) -> serde_json::Value {
-        if self.key == self.value {
-            serde_json::json!(self.key)
-        } else {
-            serde_json::json!(f64::from(self.key + self.value) / 2.0)
-        }
-    }
-}
-
-impl std::str::FromStr for KvBitsArg {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let t = s.trim();
-        let bad = || {
-            format!(
-                "'{t}' is not a KV width: allowed 2, 3, 4, 5, 6, 8, or the averages 2.5, 3.5, 4.5, \
-                 5.5 (keys one bit wider than values)"
-            )
-        };
-        match t.strip_suffix(".5") {
-            Some(whole) => match whole.parse::<u32>() {
-                Ok(v) if (2..=5).contains(&v) => Ok(Self {
-                    key: v + 1,
-                    value: v,
-                }),
-                _ => Err(bad()),
-            },
-            None => t
-                .parse::<u32>()
-                .map(|b| Self { key: b, value: b })
-                .map_err(|_| bad()),
-        }
-    }
-}
+/// `--kv-bits`: one width for K and V, or an average whose keys are one bit wider than its
+/// values (3.5 = 4-bit K / 3-bit V).
+pub use crate::kv::format::KvWidths as KvBitsArg;
 
 /// KV cache layout and format.
 #[derive(Args, Debug, Clone)]

@@ -10,8 +10,9 @@
     clippy::panic
 )]
 
-use crate::bench::kv_cache::{self, BenchConfig, Progress, Report, Widths};
-use crate::cli::args::{DTypeArg, DeviceArgs, KvBitsArg};
+use crate::bench::kv_cache::{self, BenchConfig, Progress, Report};
+use crate::cli::args::{DTypeArg, DeviceArgs};
+use crate::kv::format::KvWidths;
 use anyhow::{bail, Result};
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -115,20 +116,16 @@ const BITS_ALLOWED: &str =
 
 /// Parses `8,4.5,6/4` into settings; rejects empty or malformed entries (widths are checked
 /// against the formats by [`BenchConfig::validate`]).
-fn parse_bits(s: &str) -> Result<Vec<Widths>> {
+fn parse_bits(s: &str) -> Result<Vec<KvWidths>> {
     let mut out = Vec::new();
     for part in s.split(',') {
         let part = part.trim();
         if part.is_empty() {
             bail!("--bits '{s}': empty entry (give a list like 8,4; {BITS_ALLOWED})");
         }
-        let widths = match part.split_once('/') {
-            Some((k, v)) => k.trim().parse().ok().zip(v.trim().parse().ok()),
-            None => part.parse::<KvBitsArg>().ok().map(|b| (b.key, b.value)),
-        };
-        match widths {
-            Some((key, value)) => out.push(Widths { key, value }),
-            None => bail!("--bits '{s}': '{part}' is not a bit width ({BITS_ALLOWED})"),
+        match KvWidths::parse_pair(part) {
+            Ok(w) => out.push(w),
+            Err(_) => bail!("--bits '{s}': '{part}' is not a bit width ({BITS_ALLOWED})"),
         }
     }
     Ok(out)
@@ -336,8 +333,8 @@ fn attn_table(r: &Report) -> Table {
 
 /// A setting in the CSV's `bits` column: the width, or the average as `--kv-bits` names it
 /// (the mode column says which widths).
-fn csv_bits(w: Widths) -> String {
-    serde_json::to_string(&w).unwrap_or_default()
+fn csv_bits(w: KvWidths) -> String {
+    w.json().to_string()
 }
 
 /// The table's rows, then (if measured) a blank line and the attention rows with their own header.

@@ -18,9 +18,10 @@ use indicatif::ProgressBar;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::args::{DeviceArgs, KvArgs, KvBitsArg, LoadFormat, ModelArgs};
+use super::args::{DeviceArgs, KvArgs, LoadFormat, ModelArgs};
 use crate::bench::perplexity::{evaluate, Options, Report, Setting};
 use crate::kv::cache::{KvOptions, PoolSizing, QuantScheme};
+use crate::kv::format::KvWidths;
 use crate::model::llama::Llama;
 use crate::model::load::load;
 
@@ -115,13 +116,8 @@ fn parse_spec(item: &str) -> Result<Spec> {
     }
     let mut parts = item.split(':');
     let width = parts.next().unwrap_or_default();
-    let bits = match width.split_once('/') {
-        Some((k, v)) => (k.parse()?, v.parse()?),
-        None => {
-            let b: KvBitsArg = width.parse().map_err(anyhow::Error::msg)?;
-            (b.key, b.value)
-        }
-    };
+    let w = KvWidths::parse_pair(width).map_err(anyhow::Error::msg)?;
+    let bits = (w.key, w.value);
     let (mut scheme, mut group) = (None, None);
     for p in parts {
         match p {
@@ -181,12 +177,12 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             }
             let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing)?;
             let scheme = kv.scheme_for(model.config().head_dim);
-            let width = if bits.0 == bits.1 {
-                format!("{}-bit", bits.0)
-            } else {
-                format!("K{}/V{}-bit", bits.0, bits.1)
+            let width = KvWidths {
+                key: bits.0,
+                value: bits.1,
             };
-            let mut label = format!("{width} g{} {}", kv.group_size.unwrap_or(64), scheme.name());
+            let group = kv.group_size.unwrap_or(64);
+            let mut label = format!("{width}-bit g{group} {}", scheme.name());
             if kv.dense_layers.is_some() || kv.quantized_kv_start > 0 {
                 label += " (+dense parts)";
             }

@@ -246,7 +246,8 @@ impl Simd for Avx512 {
                     _mm_loadu_si128(bytes.cast())
                 } else if at + n >= 16 {
                     // Near the row's end: the 16 bytes that end with this vector's 2B, shifted
-                    // down (no read past the row, no copy through memory).
+                    // down (no read past the row, no copy through memory). B is 3, 5 or 6 here
+                    // (2, 4 and 8 have arms of their own; QuantFormat allows no other width).
                     let end = _mm_loadu_si128(bytes.add(n).sub(16).cast());
                     match B {
                         3 => _mm_srli_si128::<10>(end),

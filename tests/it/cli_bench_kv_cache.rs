@@ -1,7 +1,8 @@
 //! `kvq bench-kv-cache` through the real binary: table, JSON, CSV, refusals, and the exact
 //! memory figures of the default shape (computed from the format, without allocating 512 MiB).
 
-use kvq::bench::kv_cache::{BenchConfig, Widths};
+use kvq::bench::kv_cache::BenchConfig;
+use kvq::kv::format::KvWidths;
 use kvq::kv::format::QuantFormat;
 use std::process::{Command, Output};
 
@@ -230,7 +231,7 @@ fn default_shape_memory_matches_the_issue() {
             heads: 32,
             head_dim: 128,
             batch: 1,
-            bits: vec![Widths::same(8), Widths::same(4)],
+            bits: vec![KvWidths::same(8), KvWidths::same(4)],
             group_size: 64,
             dtype,
             seed: 0,

@@ -2,10 +2,10 @@
 //! paged attention per context length and mode, timed, and its largest difference from the
 //! dense cache's output.
 
-use super::{time_ms, BenchConfig, Progress, Widths};
+use super::{time_ms, BenchConfig, Progress};
 use crate::kv::attend::decode::decode_attention_rotated;
 use crate::kv::format::rotation::{Rotation, DEFAULT_SEED};
-use crate::kv::format::{KvFormat, LayerKv, QuantFormat};
+use crate::kv::format::{KvFormat, KvWidths, LayerKv, QuantFormat};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -18,7 +18,7 @@ use serde::Serialize;
 pub struct AttnRow {
     pub seq_len: usize,
     pub mode: String,
-    pub bits: Option<Widths>,
+    pub bits: Option<KvWidths>,
     /// Median time of one layer's decode attention for the whole batch.
     pub ms: f64,
     /// Dense time / this time, same context length.
@@ -87,7 +87,7 @@ pub(super) fn rows(
     progress.step(&format!("attention data, {len} tokens"));
     let scale = 1.0 / (d as f32).sqrt();
     let kv_tokens = (batch * len) as u64;
-    let mut modes: Vec<(String, Option<Widths>, KvFormat)> = vec![(
+    let mut modes: Vec<(String, Option<KvWidths>, KvFormat)> = vec![(
         format!("{} (dense)", cfg.dtype.as_str()),
         None,
         KvFormat::Dense(cfg.dtype),

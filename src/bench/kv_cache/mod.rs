@@ -16,7 +16,7 @@
 //! the error is max |out - out_dense| over the attention outputs (same K/V data, same queries).
 
 use crate::kv::format::rotation::Rotation;
-use crate::kv::format::{self, QuantFormat, Quantized};
+use crate::kv::format::{self, KvWidths, QuantFormat, Quantized};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -46,7 +46,7 @@ pub struct BenchConfig {
     pub head_dim: usize,
     pub batch: usize,
     /// The quantized settings, one table row each.
-    pub bits: Vec<Widths>,
+    pub bits: Vec<KvWidths>,
     pub group_size: usize,
     #[serde(serialize_with = "ser_dtype")]
     pub dtype: DType,
@@ -58,53 +58,14 @@ pub struct BenchConfig {
     pub rotated: bool,
 }
 
-/// The bit widths of one quantized setting: K and V alike (`4`) or keys wider than values
-/// (`K5/V4`, what `--kv-bits 4.5` names). Serialized as the width, or the average (4.5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Widths {
-    pub key: u32,
-    pub value: u32,
-}
-
-impl Widths {
-    /// K and V both `bits` wide.
-    pub fn same(bits: u32) -> Self {
-        Self {
-            key: bits,
-            value: bits,
-        }
-    }
-
-    /// The K and V formats of this setting with groups of `group_size`.
-    pub fn formats(self, group_size: usize) -> Result<(QuantFormat, QuantFormat)> {
-        let f = |b| QuantFormat::new(b, group_size);
-        Ok((f(self.key)?, f(self.value)?))
-    }
-}
-
-impl std::fmt::Display for Widths {
-    /// `4` or `K5/V4`: the prefix of a mode label (`4-bit`, `K5/V4-bit`).
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.key == self.value {
-            write!(f, "{}", self.key)
-        } else {
-            write!(f, "K{}/V{}", self.key, self.value)
-        }
-    }
-}
-
-impl Serialize for Widths {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        if self.key == self.value {
-            s.serialize_u32(self.key)
-        } else {
-            s.serialize_f64(f64::from(self.key + self.value) / 2.0)
-        }
-    }
-}
-
 fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(d.as_str())
+}
+
+/// The K and V formats of a setting with groups of `group_size`.
+fn formats(w: KvWidths, group_size: usize) -> Result<(QuantFormat, QuantFormat)> {
+    let f = |b| QuantFormat::new(b, group_size);
+    Ok((f(w.key)?, f(w.value)?))
 }
 
 impl BenchConfig {
@@ -138,7 +99,7 @@ impl BenchConfig {
         let fmts = self
             .bits
             .iter()
-            .map(|&b| b.formats(self.group_size))
+            .map(|&b| formats(b, self.group_size))
             .collect::<Result<Vec<_>, _>>()
             .context("invalid --bits / --group-size")?;
         if let Some((k, _)) = fmts.first() {
@@ -235,7 +196,7 @@ impl BenchConfig {
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
     pub mode: String,
-    pub bits: Option<Widths>,
+    pub bits: Option<KvWidths>,
     pub bytes: u64,
     pub compression: f64,
     pub bits_per_value: f64,

@@ -23,6 +23,7 @@ pub mod rotation;
 mod scatter;
 pub mod storage;
 pub mod tag;
+mod widths;
 
 pub use affine::{QuantError, QuantFormat};
 pub use ops::{
@@ -30,6 +31,7 @@ pub use ops::{
     quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, Quantized, SlotRows,
 };
 pub use storage::{LayerKv, LayerRows};
+pub use widths::KvWidths;
 
 use candle_core::DType;
 

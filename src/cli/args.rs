@@ -16,6 +16,7 @@ use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
 use crate::kv::cache::{KvOptions, QuantScheme};
+use crate::kv::format::KvWidths;
 use crate::model::{self, options::ModelOptions};
 
 /// Where the computation runs.
@@ -303,10 +304,6 @@ impl SamplingArgs {
     }
 }
 
-/// `--kv-bits`: one width for K and V, or an average whose keys are one bit wider than its
-/// values (3.5 = 4-bit K / 3-bit V).
-pub use crate::kv::format::KvWidths as KvBitsArg;
-
 /// KV cache layout and format.
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
@@ -315,7 +312,7 @@ pub struct KvArgs {
     /// (3.5 = 4-bit K / 3-bit V), the split that measures best, since keys are the sensitive
     /// half. Absent: a dense cache (--kv-dtype).
     #[arg(long, value_name = "BITS")]
-    pub kv_bits: Option<KvBitsArg>,
+    pub kv_bits: Option<KvWidths>,
 
     /// Bits of the keys only (overrides --kv-bits for K). Keys are the sensitive half: on the
     /// default model 6-bit keys with 4-bit values lose about what 8-bit does.
@@ -492,7 +489,7 @@ mod tests {
             let e = options(&["--kv-bits", bad]).expect_err(bad).to_string();
             assert!(e.contains("--kv-bits") && e.contains("3.5"), "{bad}: {e}");
         }
-        let j = |s: &str| s.parse::<KvBitsArg>().unwrap().json();
+        let j = |s: &str| s.parse::<KvWidths>().unwrap().json();
         assert_eq!(
             (j("3.5"), j("8")),
             (serde_json::json!(3.5), serde_json::json!(8))

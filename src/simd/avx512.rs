@@ -332,13 +332,6 @@ mod tests {
         if !available() {
             return;
         }
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u32
-        };
         fn check<const B: u32>(words: &[u32], len: usize) {
             let n = len * B as usize / 32;
             for v in 0..len / 16 {
@@ -374,23 +367,17 @@ mod tests {
                 assert_eq!(pair, one, "bits {B} pair {u}");
             }
         }
-        for _ in 0..50 {
-            // Exactly one row's words, so an over-read would leave the allocation; rows of 32
-            // values are shorter than one load, 64 and 128 end with vectors read from their end.
-            for len in [32, 64, 128] {
-                for bits in [2usize, 3, 4, 5, 6, 8] {
-                    let words: Vec<u32> = (0..len * bits / 32).map(|_| next()).collect();
-                    match bits {
-                        2 => check::<2>(&words, len),
-                        3 => check::<3>(&words, len),
-                        4 => check::<4>(&words, len),
-                        5 => check::<5>(&words, len),
-                        6 => check::<6>(&words, len),
-                        _ => check::<8>(&words, len),
-                    }
-                }
-            }
-        }
+        crate::simd::for_random_code_rows(
+            0x2545_F491_4F6C_DD1Du64,
+            |bits, words, len| match bits {
+                2 => check::<2>(words, len),
+                3 => check::<3>(words, len),
+                4 => check::<4>(words, len),
+                5 => check::<5>(words, len),
+                6 => check::<6>(words, len),
+                _ => check::<8>(words, len),
+            },
+        );
     }
 
     /// The eight-way horizontal sum gives each input's sum in order (integers: exact).

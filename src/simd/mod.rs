@@ -140,6 +140,29 @@ impl Isa {
     }
 }
 
+/// Runs `f(bits, words, len)` on random packed rows — 50 rounds of every row length 32, 64, 128
+/// and every width 2, 3, 4, 5, 6, 8 — each in a vector of exactly its words, so an over-read
+/// leaves the allocation: the driver of every ISA's code-decoder test. Rows of 32 values are
+/// shorter than one load; 64 and 128 end with vectors read from their end.
+#[cfg(test)]
+pub(crate) fn for_random_code_rows(seed: u64, mut f: impl FnMut(usize, &[u32], usize)) {
+    let mut x = seed;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x as u32
+    };
+    for _ in 0..50 {
+        for len in [32, 64, 128] {
+            for bits in [2usize, 3, 4, 5, 6, 8] {
+                let words: Vec<u32> = (0..len * bits / 32).map(|_| next()).collect();
+                f(bits, &words, len);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

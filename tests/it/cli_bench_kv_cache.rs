@@ -27,6 +27,21 @@ const SMALL: &[&str] = &[
     "2",
 ];
 
+/// The JSON report of a run at the SMALL shape with `extra` flags (`--json` added), which must
+/// succeed.
+fn small_json(extra: &[&str]) -> serde_json::Value {
+    let mut args = SMALL.to_vec();
+    args.push("--json");
+    args.extend(extra);
+    let out = kvq(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn table_names_dtype_and_rows() {
     let out = kvq(SMALL);
@@ -61,15 +76,7 @@ fn table_names_dtype_and_rows() {
 
 #[test]
 fn json_has_config_and_rows() {
-    let mut args = SMALL.to_vec();
-    args.extend(["--json", "--dtype", "f32", "--bits", "8,4,3"]);
-    let out = kvq(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = small_json(&["--dtype", "f32", "--bits", "8,4,3"]);
     assert_eq!(v["config"]["dtype"], "f32");
     assert_eq!(v["config"]["layers"], 2);
     assert!(v["config"]["memcpy_gbps"].as_f64().unwrap() > 0.0);
@@ -111,15 +118,7 @@ fn json_has_config_and_rows() {
 /// sides' alone, and an attention row through the same formats.
 #[test]
 fn split_widths_rows() {
-    let mut args = SMALL.to_vec();
-    args.extend(["--json", "--dtype", "f32", "--bits", "5,4.5,4,6/4"]);
-    let out = kvq(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = small_json(&["--dtype", "f32", "--bits", "5,4.5,4,6/4"]);
     assert_eq!(v["config"]["bits"], serde_json::json!([5, 4.5, 4, 5.0]));
     let rows = v["rows"].as_array().unwrap();
     let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
@@ -259,15 +258,7 @@ fn default_shape_memory_matches_the_issue() {
 /// much; a broken rotation would be far off).
 #[test]
 fn rotated_attention_rows() {
-    let mut args = SMALL.to_vec();
-    args.extend(["--json", "--dtype", "f32", "--bits", "8,4", "--rotated"]);
-    let out = kvq(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = small_json(&["--dtype", "f32", "--bits", "8,4", "--rotated"]);
     let rows = v["attention"].as_array().unwrap();
     let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
     assert_eq!(
@@ -316,25 +307,8 @@ fn rotated_attention_rows() {
 /// outputs (so the same errors), a time per layer, and the setting in the config.
 #[test]
 fn attention_step_of_several_layers() {
-    let run = |layers: &str| -> serde_json::Value {
-        let mut args = SMALL.to_vec();
-        args.extend([
-            "--json",
-            "--dtype",
-            "f32",
-            "--bits",
-            "4",
-            "--attn-layers",
-            layers,
-        ]);
-        let out = kvq(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let run =
+        |layers: &str| small_json(&["--dtype", "f32", "--bits", "4", "--attn-layers", layers]);
     let (one, three) = (run("1"), run("3"));
     assert_eq!(three["config"]["attn_layers"], 3);
     let errs = |v: &serde_json::Value| -> Vec<f64> {

@@ -62,12 +62,6 @@ fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok
     s.serialize_str(d.as_str())
 }
 
-/// The K and V formats of a setting with groups of `group_size`.
-fn formats(w: KvWidths, group_size: usize) -> Result<(QuantFormat, QuantFormat)> {
-    let f = |b| QuantFormat::new(b, group_size);
-    Ok((f(w.key)?, f(w.value)?))
-}
-
 impl BenchConfig {
     /// Refuses settings that cannot be measured, with one-line causes.
     pub fn validate(&self) -> Result<Vec<(QuantFormat, QuantFormat)>> {
@@ -99,7 +93,7 @@ impl BenchConfig {
         let fmts = self
             .bits
             .iter()
-            .map(|&b| formats(b, self.group_size))
+            .map(|&b| b.formats(self.group_size))
             .collect::<Result<Vec<_>, _>>()
             .context("invalid --bits / --group-size")?;
         if let Some((k, _)) = fmts.first() {

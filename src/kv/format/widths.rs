@@ -2,6 +2,7 @@
 //! an average with a half (`3.5`) whose keys are one bit wider than its values — keys are the
 //! sensitive half, since softmax turns key error into weight error.
 
+use super::{QuantError, QuantFormat};
 use serde::Serialize;
 
 /// K and V code widths of one setting (`--kv-bits`, a `--bits` row of `kvq bench-kv-cache`).
@@ -21,6 +22,12 @@ impl KvWidths {
             key: bits,
             value: bits,
         }
+    }
+
+    /// The K and V formats of this setting with groups of `group_size`.
+    pub fn formats(self, group_size: usize) -> Result<(QuantFormat, QuantFormat), QuantError> {
+        let f = |b| QuantFormat::new(b, group_size);
+        Ok((f(self.key)?, f(self.value)?))
     }
 
     /// A setting as the lists of `kvq perplexity --compare` and `kvq bench-kv-cache --bits`

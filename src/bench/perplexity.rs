@@ -22,6 +22,7 @@ use candle_core::DType;
 use rayon::prelude::*;
 
 use crate::engine::sampler::argmax;
+use crate::kv::attend::decode;
 use crate::kv::cache::{CacheConfig, PagedKvCache, PoolSizing};
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
@@ -31,6 +32,9 @@ pub struct Setting {
     pub label: String,
     /// Cache geometry and formats; the pools are sized here for one window.
     pub config: CacheConfig,
+    /// Score keys exactly on the CPU (`kv::attend::decode::set_exact_keys`) for this setting,
+    /// whatever the process-wide choice.
+    pub exact_keys: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -120,6 +124,8 @@ pub fn evaluate(
         })
         .collect::<Result<Vec<_>>>()?;
     let mut accs: Vec<Acc> = settings.iter().map(|_| Acc::default()).collect();
+    // The process-wide choice, put back however this returns.
+    let exact = ExactKeys(decode::exact_keys());
     let second_half_from = opts.ctx - 1 - (opts.ctx - 1) / 2;
 
     for win in tokens.chunks_exact(opts.ctx) {
@@ -141,6 +147,7 @@ pub fn evaluate(
                     seq: 0,
                     tokens: chunk.to_vec(),
                 }];
+                decode::set_exact_keys(exact.0 || settings.get(i).is_some_and(|s| s.exact_keys));
                 let logits = model.forward(&input, cache, LogitsFor::All)?;
                 progress(n);
                 if m == 0 {
@@ -192,6 +199,15 @@ pub fn evaluate(
         .enumerate()
         .map(|(i, (s, a))| report(s, a, i > 0))
         .collect())
+}
+
+/// Puts the process-wide exact-keys choice back when dropped.
+struct ExactKeys(bool);
+
+impl Drop for ExactKeys {
+    fn drop(&mut self) {
+        decode::set_exact_keys(self.0);
+    }
 }
 
 /// In place: `x ← x − log Σ exp x` (f64 sum).
@@ -331,6 +347,7 @@ mod tests {
         let s = Setting {
             label: "x".into(),
             config: cfg,
+            exact_keys: false,
         };
         let a = Acc {
             nll: vec![1.0, 3.0],

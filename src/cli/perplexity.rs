@@ -52,15 +52,21 @@ pub struct PerplexityArgs {
     pub chunk: usize,
 
     /// KV settings to compare, comma-separated, the reference first: `f32`, `f16`, `bf16` (a
-    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG], BITS being one width, an
-    /// average as --kv-bits takes it (`3.5` = 4-bit K / 3-bit V) or KEY/VALUE widths (e.g. `4`,
-    /// `4:affine`, `3:g32`, `6/4`; scheme and group default to --kv-quant-scheme /
-    /// --kv-group-size).
+    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG][:exact], BITS being one width,
+    /// an average as --kv-bits takes it (`3.5` = 4-bit K / 3-bit V) or KEY/VALUE widths (e.g.
+    /// `4`, `4:affine`, `3:g32`, `6/4`; scheme and group default to --kv-quant-scheme /
+    /// --kv-group-size; `:exact` scores the keys as --exact-attention does).
     /// Divergences are measured against the first entry; if it is not dense, a dense cache in
-    /// the compute dtype is added in front. Without --compare: the dense cache and the setting
-    /// given by --kv-bits (and the other KV flags).
+    /// the compute dtype is added in front (unless --quantized-reference). Without --compare: the
+    /// dense cache and the setting given by --kv-bits (and the other KV flags).
     #[arg(long, value_name = "LIST")]
     pub compare: Option<String>,
+
+    /// Measure divergences against the first --compare entry even when it is quantized (no
+    /// dense cache in front): `--compare 4:exact,4` gives what the CPU's 8-bit query pass costs
+    /// against the exact kernel.
+    #[arg(long, requires = "compare")]
+    pub quantized_reference: bool,
 
     /// One JSON object on stdout instead of the table on stderr.
     #[arg(long)]
@@ -89,6 +95,8 @@ enum Spec {
         bits: (u32, u32),
         scheme: Option<QuantScheme>,
         group: Option<usize>,
+        /// Keys scored exactly on the CPU (`:exact`).
+        exact: bool,
     },
 }
 
@@ -99,8 +107,8 @@ fn parse_specs(list: &str) -> Result<Vec<Spec>> {
             parse_spec(item).with_context(|| {
                 format!(
                     "--compare: '{item}' is not a KV setting (allowed: f32, f16, bf16, or \
-                     BITS[:affine|:rotated][:gG] with BITS one of 2,3,4,5,6,8, an average 2.5-5.5 \
-                     or KEY/VALUE bits)"
+                     BITS[:affine|:rotated][:gG][:exact] with BITS one of 2,3,4,5,6,8, an \
+                     average 2.5-5.5 or KEY/VALUE bits)"
                 )
             })
         })
@@ -118,9 +126,10 @@ fn parse_spec(item: &str) -> Result<Spec> {
     let width = parts.next().unwrap_or_default();
     let w = KvWidths::parse_pair(width).map_err(anyhow::Error::msg)?;
     let bits = (w.key, w.value);
-    let (mut scheme, mut group) = (None, None);
+    let (mut scheme, mut group, mut exact) = (None, None, false);
     for p in parts {
         match p {
+            "exact" if !exact => exact = true,
             "affine" if scheme.is_none() => scheme = Some(QuantScheme::Affine),
             "rotated" if scheme.is_none() => scheme = Some(QuantScheme::Rotated),
             g if g.starts_with('g') && group.is_none() => {
@@ -137,6 +146,7 @@ fn parse_spec(item: &str) -> Result<Spec> {
         bits,
         scheme,
         group,
+        exact,
     })
 }
 
@@ -159,12 +169,14 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             Ok(Setting {
                 label: format!("{} (dense)", dt.as_str()),
                 config: cfg,
+                exact_keys: false,
             })
         }
         Spec::Quant {
             bits,
             scheme,
             group,
+            exact,
         } => {
             kv.bits = None;
             kv.key_bits = Some(bits.0);
@@ -186,7 +198,23 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             if kv.dense_layers.is_some() || kv.quantized_kv_start > 0 {
                 label += " (+dense parts)";
             }
-            Ok(Setting { label, config: cfg })
+            // Where the CPU kernel would round the query to 8 bits for these keys, say which
+            // way this row scored them.
+            let hd = model.config().head_dim;
+            let int8 = model.device().is_cpu()
+                && cfg
+                    .formats
+                    .iter()
+                    .any(|f| crate::kv::attend::decode::cpu_int8_keys(f, hd));
+            if int8 {
+                let exact_keys = *exact || crate::kv::attend::decode::exact_keys();
+                label += if exact_keys { ", exact q" } else { ", 8-bit q" };
+            }
+            Ok(Setting {
+                label,
+                config: cfg,
+                exact_keys: *exact,
+            })
         }
     }
 }
@@ -225,6 +253,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
                     bits: (k.bits(), val.bits()),
                     scheme: None,
                     group: None,
+                    exact: false,
                 });
             }
             v
@@ -242,7 +271,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
             model.config().max_position_embeddings
         );
     }
-    if !matches!(specs.first(), Some(Spec::Dense(_))) {
+    if !matches!(specs.first(), Some(Spec::Dense(_))) && !args.quantized_reference {
         specs.insert(0, Spec::Dense(model.dtype()));
     }
     let kv = args.kv.options(&args.model);
@@ -389,7 +418,8 @@ mod tests {
             Spec::Quant {
                 bits: (8, 8),
                 scheme: None,
-                group: None
+                group: None,
+                exact: false
             }
         );
         assert_eq!(
@@ -397,7 +427,8 @@ mod tests {
             Spec::Quant {
                 bits: (3, 3),
                 scheme: Some(QuantScheme::Rotated),
-                group: Some(32)
+                group: Some(32),
+                exact: false
             }
         );
         assert_eq!(
@@ -405,7 +436,8 @@ mod tests {
             Spec::Quant {
                 bits: (4, 4),
                 scheme: None,
-                group: Some(32)
+                group: Some(32),
+                exact: false
             }
         );
         assert_eq!(
@@ -413,7 +445,8 @@ mod tests {
             Spec::Quant {
                 bits: (6, 4),
                 scheme: None,
-                group: None
+                group: None,
+                exact: false
             }
         );
         assert_eq!(
@@ -421,10 +454,21 @@ mod tests {
             Spec::Quant {
                 bits: (4, 3),
                 scheme: None,
-                group: Some(32)
+                group: Some(32),
+                exact: false
+            }
+        );
+        assert_eq!(
+            parse_specs("4:rotated:exact").unwrap()[0],
+            Spec::Quant {
+                bits: (4, 4),
+                scheme: Some(QuantScheme::Rotated),
+                group: None,
+                exact: true
             }
         );
         for bad in [
+            "4:exact:exact",
             "q4",
             "6.5",
             "3.25",

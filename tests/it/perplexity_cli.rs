@@ -152,3 +152,43 @@ fn short_text_is_refused() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("fewer than one window"), "{err}");
 }
+
+/// `--quantized-reference` measures against the first entry as given (no dense row in front),
+/// and `:exact` keeps the exact K pass: with only the last layer quantized (so no layer's cache
+/// is requantized from a slightly different input), the CPU's 8-bit query pass is within the
+/// bound issue 17 sets against the exact kernel (mean KL ≤ 0.0005, same top-1 ≥ 99.5%).
+#[test]
+fn eight_bit_queries_against_the_exact_kernel() {
+    let dense: Vec<String> = (0..29).map(|i| i.to_string()).collect();
+    let dense = dense.join(",");
+    let v = run_json(&[
+        "--ctx",
+        "512",
+        "--max-tokens",
+        "1024",
+        "--kv-bits",
+        "4",
+        "--kv-dense-layers",
+        &dense,
+        "--compare",
+        "4:exact,4",
+        "--quantized-reference",
+    ]);
+    let s = v["settings"].as_array().unwrap();
+    assert_eq!(s.len(), 2, "{v}");
+    assert!(s[0]["vs_reference"].is_null());
+    let label = |i: usize| s[i]["label"].as_str().unwrap().to_string();
+    assert!(label(0).starts_with("4-bit g64"), "{}", label(0));
+    let d = s[1]["vs_reference"].clone();
+    if label(1).ends_with("8-bit q") {
+        // This CPU has the 8-bit pass (AVX2 or AVX-512 VNNI).
+        assert!(label(0).ends_with("exact q"), "{}", label(0));
+        assert!(f(&d["kl_mean"]) <= 5e-4, "{d}");
+        assert!(f(&d["same_top1_pct"]) >= 99.5, "{d}");
+    } else {
+        assert_eq!(f(&d["kl_mean"]), 0.0, "{d}");
+    }
+    let out = kvq(&["perplexity", &corpus(), "--quantized-reference"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--compare"), "{}", stderr(&out));
+}

@@ -16,6 +16,7 @@
 //! dimension is a multiple of 16, else [`avx2::Avx2`] (8 lanes; AVX2 + FMA + F16C), else
 //! [`simd::Portable`]. A head dimension that is not a multiple of 8 goes to the generic path.
 
+mod int8;
 mod kernel;
 mod rows;
 
@@ -27,6 +28,7 @@ use crate::simd::{avx2, avx512};
 use crate::simd::{Isa, Portable};
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
+use int8::{Dot, Exact, QueryI8};
 use kernel::{Scratch, Shape};
 use rows::{AffineRows, DenseRows, Rows};
 use std::cell::RefCell;
@@ -96,11 +98,97 @@ thread_local! {
     static SCRATCH: RefCell<(Scratch, Vec<u32>)> = RefCell::default();
 }
 
+/// How a call scores its keys: the exact float pass, or 8-bit queries ([`int8`]) through
+/// `vpdpbusd` or through `vpmaddubsw`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Keys {
+    Exact,
+    Vnni,
+    Madd,
+}
+
+/// Runs one task on the chosen implementation: [`ExactOnly`] for row types the 8-bit pass
+/// does not read (no instances of it are built for them), [`WithInt`] for 4-bit keys.
+trait Launch {
+    /// Safety: as [`kernel::task`]; `keys` is [`Keys::Exact`] or was chosen for this CPU.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn task<K: AnyRows, V: AnyRows>(
+        isa: Isa,
+        keys: Keys,
+        heads: &[(K, V)],
+        q: &[f32],
+        qi: Option<(&QueryI8, usize)>,
+        slots: &[u32],
+        sh: Shape,
+        scratch: &mut Scratch,
+        out: &mut [f32],
+    );
+}
+
+struct ExactOnly;
+struct WithInt;
+
+impl Launch for ExactOnly {
+    unsafe fn task<K: AnyRows, V: AnyRows>(
+        isa: Isa,
+        _: Keys,
+        heads: &[(K, V)],
+        q: &[f32],
+        _: Option<(&QueryI8, usize)>,
+        slots: &[u32],
+        sh: Shape,
+        scratch: &mut Scratch,
+        out: &mut [f32],
+    ) {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => task_avx512::<K, V, Exact>(heads, q, None, slots, sh, scratch, out),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => task_avx2::<K, V, Exact>(heads, q, None, slots, sh, scratch, out),
+            Isa::Portable => {
+                kernel::task::<Portable, K, V, Exact>(heads, q, None, slots, sh, scratch, out)
+            }
+        }
+    }
+}
+
+impl Launch for WithInt {
+    unsafe fn task<K: AnyRows, V: AnyRows>(
+        isa: Isa,
+        keys: Keys,
+        heads: &[(K, V)],
+        q: &[f32],
+        qi: Option<(&QueryI8, usize)>,
+        slots: &[u32],
+        sh: Shape,
+        scratch: &mut Scratch,
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        match (isa, keys) {
+            (Isa::Avx512, Keys::Vnni) => {
+                return task_avx512_vnni(heads, q, qi, slots, sh, scratch, out);
+            }
+            (Isa::Avx512, Keys::Madd) => {
+                return task_avx512::<K, V, int8::Madd>(heads, q, qi, slots, sh, scratch, out);
+            }
+            (Isa::Avx2, Keys::Madd) => {
+                return task_avx2::<K, V, int8::Madd>(heads, q, qi, slots, sh, scratch, out);
+            }
+            _ => {}
+        }
+        ExactOnly::task(isa, Keys::Exact, heads, q, None, slots, sh, scratch, out)
+    }
+}
+
 /// Runs every task of `plan` and merges the partial states into `[B, H, D]`.
-/// `views(kh)` gives the K and V rows of KV head `kh`.
-fn run<K: AnyRows, V: AnyRows>(
+/// `views(kh)` gives the K and V rows of KV head `kh`; `qi` the 8-bit queries where `keys`
+/// asks for them.
+#[allow(clippy::too_many_arguments)]
+fn run<K: AnyRows, V: AnyRows, L: Launch>(
     plan: &Plan,
     q: &[f32],
+    (keys, qi): (Keys, Option<&QueryI8>),
     d: &Dims,
     t: &Tables,
     group: usize,
@@ -130,17 +218,8 @@ fn run<K: AnyRows, V: AnyRows>(
             // SAFETY: `read_tables` checked every slot against the pool and `decode` that
             // the views span it; head_dim and group are multiples of the lanes (checked by
             // `Isa::best` and the format); an ISA only after its detection.
-            unsafe {
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => task_avx512(&heads, qb, slots, sh, scratch, out),
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => task_avx2(&heads, qb, slots, sh, scratch, out),
-                    Isa::Portable => {
-                        kernel::task::<Portable, K, V>(&heads, qb, slots, sh, scratch, out)
-                    }
-                }
-            }
+            let qi = qi.map(|x| (x, task.b * d.heads));
+            unsafe { L::task(isa, keys, &heads, qb, qi, slots, sh, scratch, out) }
         })
     });
     let mut out = vec![0f32; d.batch * d.heads * hd];
@@ -175,28 +254,45 @@ fn run<K: AnyRows, V: AnyRows>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn task_avx512<K: Rows<avx512::Avx512>, V: Rows<avx512::Avx512>>(
+unsafe fn task_avx512<K: Rows<avx512::Avx512>, V: Rows<avx512::Avx512>, D: Dot>(
     heads: &[(K, V)],
     q: &[f32],
+    qi: Option<(&QueryI8, usize)>,
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    kernel::task::<avx512::Avx512, K, V>(heads, q, slots, sh, scratch, out)
+    kernel::task::<avx512::Avx512, K, V, D>(heads, q, qi, slots, sh, scratch, out)
+}
+
+/// [`task_avx512`] with the 8-bit K pass on VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn task_avx512_vnni<K: Rows<avx512::Avx512>, V: Rows<avx512::Avx512>>(
+    heads: &[(K, V)],
+    q: &[f32],
+    qi: Option<(&QueryI8, usize)>,
+    slots: &[u32],
+    sh: Shape,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) {
+    kernel::task::<avx512::Avx512, K, V, int8::Vnni>(heads, q, qi, slots, sh, scratch, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2<K: Rows<avx2::Avx2>, V: Rows<avx2::Avx2>>(
+unsafe fn task_avx2<K: Rows<avx2::Avx2>, V: Rows<avx2::Avx2>, D: Dot>(
     heads: &[(K, V)],
     q: &[f32],
+    qi: Option<(&QueryI8, usize)>,
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    kernel::task::<avx2::Avx2, K, V>(heads, q, slots, sh, scratch, out)
+    kernel::task::<avx2::Avx2, K, V, D>(heads, q, qi, slots, sh, scratch, out)
 }
 
 /// Pool slots of the task's positions, walking its block table.
@@ -274,10 +370,17 @@ pub(super) fn decode(
     if !dims.head_dim.is_multiple_of(8) {
         return generic::decode_checked(q, kv, dims, t, scale);
     }
-    decode_with(q, kv, dims, t, scale, Isa::best(dims.head_dim))
+    let isa = Isa::best(dims.head_dim);
+    let keys = if super::exact_keys() {
+        Keys::Exact
+    } else {
+        key_pass(kv, dims.head_dim, isa)
+    };
+    decode_with(q, kv, dims, t, scale, isa, keys)
 }
 
-/// [`decode`] on a given vector implementation (`head_dim` a multiple of its lanes).
+/// [`decode`] on a given vector implementation (`head_dim` a multiple of its lanes), scoring
+/// keys as `keys` says (its [`key_pass`], or [`Keys::Exact`]).
 fn decode_with(
     q: &Tensor,
     kv: &LayerKv,
@@ -285,6 +388,7 @@ fn decode_with(
     t: &Tables,
     scale: f32,
     isa: Isa,
+    keys: Keys,
 ) -> Result<Tensor> {
     let d = dims;
     let qv: Vec<f32> = q
@@ -302,6 +406,7 @@ fn decode_with(
         LayerKv::Dense { .. } => (false, false),
     };
     let at = |e: usize| crate::simd::element(4, isa.lanes(), e / isa.lanes(), e % isa.lanes());
+    let qi = (keys != Keys::Exact).then(|| QueryI8::new(&qv, d.head_dim));
     let qv = if k4 {
         permute_rows(&qv, d.head_dim, |qd, qs| {
             for (i, x) in qd.iter_mut().enumerate() {
@@ -316,7 +421,16 @@ fn decode_with(
         LayerKv::Dense { k, v } => dense_out(k, v, &plan, &qv, d, t, isa)?,
         LayerKv::Affine {
             kfmt, vfmt, k, v, ..
-        } => affine_out((*kfmt, *vfmt), k, v, &plan, &qv, d, t, isa)?,
+        } => affine_out(
+            (*kfmt, *vfmt),
+            k,
+            v,
+            &plan,
+            (&qv, keys, qi.as_ref()),
+            d,
+            t,
+            isa,
+        )?,
     };
     let out = if v4 {
         permute_rows(&out, d.head_dim, |od, os| {
@@ -328,6 +442,34 @@ fn decode_with(
         out
     };
     Tensor::from_vec(out, (d.batch, d.heads, d.head_dim), &Device::Cpu)?.to_dtype(q.dtype())
+}
+
+/// Whether [`key_pass`] takes the 8-bit pass for keys of `format` on this CPU's best ISA.
+pub(super) fn int8_keys(format: &crate::kv::format::KvFormat, head_dim: usize) -> bool {
+    let crate::kv::format::KvFormat::Affine { key, .. } = format else {
+        return false;
+    };
+    head_dim.is_multiple_of(8)
+        && int8::takes(key.bits(), key.group_size(), head_dim)
+        && Isa::best(head_dim) != Isa::Portable
+}
+
+/// The 8-bit K pass for `isa` where [`int8::takes`] the keys and the CPU has an integer dot
+/// product; else exact.
+fn key_pass(kv: &LayerKv, head_dim: usize, isa: Isa) -> Keys {
+    let LayerKv::Affine { kfmt, .. } = kv else {
+        return Keys::Exact;
+    };
+    if !int8::takes(kfmt.bits(), kfmt.group_size(), head_dim) {
+        return Keys::Exact;
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if int8::vnni_available() => Keys::Vnni,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2 => Keys::Madd,
+        Isa::Portable => Keys::Exact,
+    }
 }
 
 /// A new vector of `x`'s length whose rows of `n` are filled by `f(new_row, old_row)`.
@@ -362,7 +504,7 @@ fn dense_out(
                     return Err(pool_err("dense K/V", x.len(), slots * width));
                 }
             }
-            run(plan, qv, d, t, d.head_dim, isa, |kh| {
+            run::<_, _, ExactOnly>(plan, qv, (Keys::Exact, None), d, t, d.head_dim, isa, |kh| {
                 let view = |data| DenseRows::<$t> {
                     data,
                     stride: width,
@@ -392,7 +534,7 @@ fn affine_out(
     k: &Quantized,
     v: &Quantized,
     plan: &Plan,
-    qv: &[f32],
+    (qv, keys, qi): (&[f32], Keys, Option<&QueryI8>),
     d: &Dims,
     t: &Tables,
     isa: Isa,
@@ -414,7 +556,10 @@ fn affine_out(
         )));
     }
     macro_rules! affine {
-        ($t:ty, $kb:literal, $vb:literal) => {{
+        ($t:ty, $kb:literal, $vb:literal) => {
+            affine!($t, $kb, $vb, ExactOnly)
+        };
+        ($t:ty, $kb:literal, $vb:literal, $launch:ty) => {{
             let kc = slice::<u32>(&sl[0].0, sl[0].1)?;
             let vc = slice::<u32>(&sl[3].0, sl[3].1)?;
             let params = [1, 2, 4, 5].map(|i| slice::<$t>(&sl[i].0, sl[i].1));
@@ -432,7 +577,7 @@ fn affine_out(
                     return Err(pool_err("scales/biases", x.len(), need));
                 }
             }
-            run(plan, qv, d, t, group, isa, |kh| {
+            run::<_, _, $launch>(plan, qv, (keys, qi), d, t, group, isa, |kh| {
                 (
                     AffineRows::<$t, $kb>::new(kfmt, (kc, ks, kb), d.kv_heads, d.head_dim, kh),
                     AffineRows::<$t, $vb>::new(vfmt, (vc, vs, vb), d.kv_heads, d.head_dim, kh),
@@ -445,12 +590,12 @@ fn affine_out(
             match (kfmt.bits(), vfmt.bits()) {
                 (2, 2) => affine!($t, 2, 2),
                 (3, 3) => affine!($t, 3, 3),
-                (4, 4) => affine!($t, 4, 4),
+                (4, 4) => affine!($t, 4, 4, WithInt),
                 (5, 5) => affine!($t, 5, 5),
                 (6, 6) => affine!($t, 6, 6),
                 (8, 8) => affine!($t, 8, 8),
                 (3, 2) => affine!($t, 3, 2),
-                (4, 3) => affine!($t, 4, 3),
+                (4, 3) => affine!($t, 4, 3, WithInt),
                 (5, 4) => affine!($t, 5, 4),
                 (6, 5) => affine!($t, 6, 5),
                 (kb, vb) => {

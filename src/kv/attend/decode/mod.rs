@@ -29,6 +29,27 @@ use std::borrow::Cow;
 
 use crate::kv::format::rotation::Rotation;
 use crate::kv::format::{LayerKv, QuantFormat};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static EXACT_KEYS: AtomicBool = AtomicBool::new(false);
+
+/// Makes the CPU kernel score 4-bit keys with the query in f32 (`--exact-attention`) instead of
+/// rounding each query group to 8 bits for integer dot products (`cpu` module: its cost in KL
+/// is measured in README). Process-wide: set once from the command line.
+pub fn set_exact_keys(on: bool) {
+    EXACT_KEYS.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_exact_keys`] is on.
+pub fn exact_keys() -> bool {
+    EXACT_KEYS.load(Ordering::Relaxed)
+}
+
+/// Whether the CPU kernel scores keys of `format` at `head_dim` with 8-bit queries on this CPU
+/// (unless [`set_exact_keys`]).
+pub fn cpu_int8_keys(format: &crate::kv::format::KvFormat, head_dim: usize) -> bool {
+    cpu::int8_keys(format, head_dim)
+}
 
 /// Why a decode-attention call is refused; each message names the offending input.
 #[derive(Debug, thiserror::Error)]

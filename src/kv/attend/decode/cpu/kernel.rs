@@ -21,6 +21,7 @@
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
 //! accumulators stay in registers); a row is decoded once per chunk.
 
+use super::int8::{self, Dot, QueryI8};
 use super::rows::{Params, Rows};
 use crate::simd::Simd;
 
@@ -42,7 +43,7 @@ fn tile_len(row_bytes: usize) -> usize {
 const PREFETCH_BYTES: usize = 16 << 10;
 
 /// Positions the K pass prefetches ahead for rows of `row_bytes` (all KV heads).
-fn prefetch_len(row_bytes: usize) -> usize {
+pub(super) fn prefetch_len(row_bytes: usize) -> usize {
     (PREFETCH_BYTES / row_bytes.max(1)).clamp(8, 64)
 }
 
@@ -75,7 +76,7 @@ pub(super) struct Scratch {
 /// Distance between the per-(head, group) arrays over a task's `n` positions: a multiple of 16
 /// plus 16, so the many arrays written side by side (scores of every query head, parameters of
 /// every head) do not all start at the same offset modulo 4 KiB and fight over one L1 set.
-fn pitch(n: usize) -> usize {
+pub(super) fn pitch(n: usize) -> usize {
     n.next_multiple_of(16) + 16
 }
 
@@ -103,13 +104,18 @@ fn reused(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// once, front to back, and its cache lines are prefetched once; per-position bookkeeping
 /// (slot, row offsets, prefetches) is shared by all heads.
 ///
+/// `qi`: the 8-bit queries and the task's first row among them, where the keys are scored by
+/// [`int8::k_pass`] (`D` not [`int8::Exact`]).
+///
 /// Safety: every slot lies inside the pools of the views, `head_dim % group == 0`,
 /// `group % (2 · S::LANES) == 0` for quantized rows, `head_dim % S::LANES == 0`, and the CPU
-/// supports `S`.
+/// supports `S` (and `D`; with `qi`, the keys are what [`int8::takes`]).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>>(
+pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
     heads: &[(K, V)],
     q: &[f32],
+    qi: Option<(&QueryI8, usize)>,
     slots: &[u32],
     sh: Shape,
     scratch: &mut Scratch,
@@ -142,7 +148,13 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>>(
         data: vp,
         groups: vg,
     };
-    k_pass(heads, q, slots, sh, kp, scores);
+    match qi {
+        #[cfg(target_arch = "x86_64")]
+        Some((qi, h0)) if D::INT => {
+            int8::k_pass::<S, D, K, V>(heads, qi, h0, slots, sh, kp, scores)
+        }
+        _ => k_pass(heads, q, slots, sh, kp, scores),
+    }
     for (o, sc) in out
         .chunks_exact_mut(stride)
         .zip(scores.chunks_exact_mut(g * np))

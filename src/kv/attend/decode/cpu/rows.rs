@@ -38,6 +38,8 @@ pub(super) trait Rows<S: Simd>: Sync {
         let _ = (scale, bias, table);
         self.pair(row, u)
     }
+    /// The row at `row` as bytes (quantized rows: its codes). Safety: as [`Rows::vec`].
+    unsafe fn row_bytes(&self, row: usize) -> *const u8;
     /// Groups of a slot, all KV heads (dense rows: 0), and this head's first one.
     fn slot_groups(&self) -> usize;
     fn head_group(&self) -> usize;
@@ -86,6 +88,10 @@ impl<S: Simd, T: Elem> Rows<S> for DenseRows<'_, T> {
     #[inline(always)]
     unsafe fn vec(&self, row: usize, v: usize) -> S::V {
         T::load::<S>(self.data.as_ptr().add(row + S::LANES * v))
+    }
+    #[inline(always)]
+    unsafe fn row_bytes(&self, row: usize) -> *const u8 {
+        self.data.as_ptr().add(row).cast()
     }
     fn slot_groups(&self) -> usize {
         0
@@ -174,6 +180,10 @@ impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
         } else {
             S::rebuild_pair::<B>(p, self.head_words, u, scale, bias)
         }
+    }
+    #[inline(always)]
+    unsafe fn row_bytes(&self, row: usize) -> *const u8 {
+        self.codes.as_ptr().add(row).cast()
     }
     fn slot_groups(&self) -> usize {
         self.row_groups

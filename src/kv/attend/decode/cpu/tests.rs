@@ -83,7 +83,7 @@ impl Fixture {
             .map(|isa| {
                 (
                     isa,
-                    flat(decode_with(q, kv, &dims, &t, scale, isa).unwrap()),
+                    flat(decode_with(q, kv, &dims, &t, scale, isa, Keys::Exact).unwrap()),
                 )
             })
             .collect();
@@ -168,12 +168,12 @@ fn a_sequence_does_not_depend_on_the_batch() {
     let f = Fixture::new(&seqs, 1500usize.div_ceil(16), kvh, hd, 1);
     let q = values(nb * kvh * g * hd, 3);
     let q = Tensor::from_vec(q, (nb, kvh * g, hd), &Device::Cpu).unwrap();
-    let call = |kv: &LayerKv, isa: Isa, which: &[usize]| -> Vec<u32> {
+    let call = |kv: &LayerKv, isa: Isa, keys: Keys, which: &[usize]| -> Vec<u32> {
         let ids: Vec<u32> = which.iter().map(|&i| i as u32).collect();
         let ids = Tensor::from_vec(ids, which.len(), &Device::Cpu).unwrap();
         let qb = q.index_select(&ids, 0).unwrap();
         let (dims, t) = f.call(&qb, kv, which);
-        let out = decode_with(&qb, kv, &dims, &t, 0.125, isa).unwrap();
+        let out = decode_with(&qb, kv, &dims, &t, 0.125, isa, keys).unwrap();
         let out: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
         out.iter().map(|x| x.to_bits()).collect()
     };
@@ -181,17 +181,137 @@ fn a_sequence_does_not_depend_on_the_batch() {
     for format in [KvFormat::Dense(DType::F32), affine(4), affine(8)] {
         let kv = f.pool(format);
         for isa in Isa::all_available() {
-            let all: Vec<usize> = (0..nb).collect();
-            let together = call(&kv, isa, &all);
-            let row = kvh * g * hd;
-            for i in 0..nb {
-                let alone = call(&kv, isa, &[i]);
-                assert_eq!(
-                    alone,
-                    together[i * row..(i + 1) * row],
-                    "{format:?} {isa:?}: sequence {i}"
-                );
+            // The exact pass, and the 8-bit K pass where this CPU has it for these keys.
+            let mut passes = vec![Keys::Exact];
+            if matches!(&kv, LayerKv::Affine { kfmt, .. } if kfmt.bits() == 4) {
+                passes.extend(int_passes(isa));
             }
+            for keys in passes {
+                let all: Vec<usize> = (0..nb).collect();
+                let together = call(&kv, isa, keys, &all);
+                let row = kvh * g * hd;
+                for i in 0..nb {
+                    let alone = call(&kv, isa, keys, &[i]);
+                    assert_eq!(
+                        alone,
+                        together[i * row..(i + 1) * row],
+                        "{format:?} {isa:?} {keys:?}: sequence {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The 8-bit K passes this CPU has for `isa`.
+fn int_passes(isa: Isa) -> Vec<Keys> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if int8::vnni_available() => vec![Keys::Madd, Keys::Vnni],
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2 => vec![Keys::Madd],
+        _ => vec![],
+    }
+}
+
+/// Queries whose every group of 64 (after `scale`) lies on its own 8-bit grid, one value at
+/// the grid's end: the 8-bit K pass then holds them exactly, so it must match the reference as
+/// closely as the exact pass does — a misplaced byte, lane or scale would show.
+fn grid_queries(rows: usize, hd: usize, scale: f32, seed: u32) -> Vec<f32> {
+    let ints = values(rows * hd, seed);
+    let steps = values(rows * hd / 64, seed + 1);
+    let mut q = vec![0f32; rows * hd];
+    for (gi, (out, k)) in q
+        .chunks_exact_mut(64)
+        .zip(ints.chunks_exact(64))
+        .enumerate()
+    {
+        let sigma = (0.5 + steps[gi].abs()) / 127.0 / scale;
+        for (i, (o, &v)) in out.iter_mut().zip(k).enumerate() {
+            let n = if i == gi % 64 {
+                127.0
+            } else {
+                (v * 63.0).round()
+            };
+            *o = sigma * n;
+        }
+    }
+    q
+}
+
+/// The 8-bit K pass (every implementation this CPU has) matches the generic reference on
+/// queries it holds exactly, at head_dim 64 and 128, GQA 1, 3 and 8 (query-head chunks of 1,
+/// 3 and 4 + 4), 4-bit keys with 4- and 3-bit values, ragged lengths (tasks of several
+/// chunks, an odd last row); with f16 and bf16 scales it matches the exact pass.
+#[test]
+fn int8_keys_match_reference_on_grid_queries() {
+    let scale = 0.1;
+    let flat = |x: Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1().unwrap() };
+    for hd in [64usize, 128] {
+        let kvh = 3usize;
+        let f = Fixture::new(&[(0, 45), (3, 277), (0, 1)], 18, kvh, hd, 17);
+        for g in [1usize, 3, 8] {
+            let q = grid_queries(3 * kvh * g, hd, scale, 19 + g as u32);
+            let q = Tensor::from_vec(q, (3, kvh * g, hd), &Device::Cpu).unwrap();
+            for vb in [4u32, 3] {
+                let fmt = |b| QuantFormat::new(b, 64).unwrap();
+                let pool = |scale_dtype| {
+                    f.pool(KvFormat::Affine {
+                        key: fmt(4),
+                        value: fmt(vb),
+                        scale_dtype,
+                        rotated: false,
+                    })
+                };
+                let kv = pool(DType::F32);
+                let all: Vec<usize> = (0..3).collect();
+                let (dims, t) = f.call(&q, &kv, &all);
+                let want = flat(generic::decode_checked(&q, &kv, &dims, &t, scale).unwrap());
+                for isa in Isa::all_available() {
+                    for keys in int_passes(isa) {
+                        assert_eq!(key_pass(&kv, hd, isa), *int_passes(isa).last().unwrap());
+                        let got = flat(decode_with(&q, &kv, &dims, &t, scale, isa, keys).unwrap());
+                        let err = contract_err(&got, &want);
+                        assert!(
+                            err < 1e-4,
+                            "K4/V{vb} hd{hd} GQA {g} {isa:?} {keys:?}: {err}"
+                        );
+                        for sd in [DType::F16, DType::BF16] {
+                            let kv = pool(sd);
+                            let run =
+                                |k| flat(decode_with(&q, &kv, &dims, &t, scale, isa, k).unwrap());
+                            let err = contract_err(&run(keys), &run(Keys::Exact));
+                            assert!(err < 1e-4, "{sd:?} K4/V{vb} hd{hd} GQA {g} {isa:?}: {err}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Off the grid the 8-bit K pass differs from the exact one by the query's rounding only:
+/// close (uniform data: under 1% of the largest output), and not the same bits (the pass runs
+/// where asked).
+#[test]
+fn int8_keys_round_the_query() {
+    let (kvh, g, hd) = (2usize, 4usize, 128usize);
+    let f = Fixture::new(&[(0, 300)], 19, kvh, hd, 23);
+    let q = values(kvh * g * hd, 29);
+    let q = Tensor::from_vec(q, (1, kvh * g, hd), &Device::Cpu).unwrap();
+    let kv = f.pool(KvFormat::affine(
+        QuantFormat::new(4, 64).unwrap(),
+        DType::F32,
+        false,
+    ));
+    let (dims, t) = f.call(&q, &kv, &[0]);
+    let flat = |x: Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1().unwrap() };
+    for isa in Isa::all_available() {
+        let exact = flat(decode_with(&q, &kv, &dims, &t, 0.125, isa, Keys::Exact).unwrap());
+        for keys in int_passes(isa) {
+            let got = flat(decode_with(&q, &kv, &dims, &t, 0.125, isa, keys).unwrap());
+            let err = contract_err(&got, &exact);
+            assert!(err > 0.0 && err < 1e-2, "{isa:?} {keys:?}: {err}");
         }
     }
 }

@@ -279,7 +279,7 @@ unsafe fn nibbles(x: __m256i) -> (__m256i, __m256i) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn pair_halves(p: *const f32) -> __m256 {
-    let ab = _mm256_castpd_ps(_mm256_broadcast_sd(&*(p as *const f64)));
+    let ab = _mm256_castpd_ps(_mm256_set1_pd((p as *const f64).read_unaligned()));
     _mm256_permutevar_ps(ab, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
 }
 
@@ -406,7 +406,10 @@ unsafe fn k_rows1<S: Simd, D: Dot, R: Rows<S>, const NJ: usize, const RW: usize>
     let f = _mm256_cvtepi32_ps(reduce8(acc));
     // Per lane: the query's scale, correction and sum of the lane's head, the key scale and
     // bias of the lane's row.
-    let half = |v: &Vec<f32>| _mm256_broadcast_ps(&*(v.as_ptr().add(h) as *const __m128));
+    let half = |v: &Vec<f32>| {
+        let x = _mm_loadu_ps(v.as_ptr().add(h));
+        _mm256_set_m128(x, x)
+    };
     let param = |off: usize| {
         let p = |r: usize| {
             let r = r.min(RW - 1);

@@ -144,7 +144,7 @@ impl Isa {
 /// and every width 2, 3, 4, 5, 6, 8 — each in a vector of exactly its words, so an over-read
 /// leaves the allocation: the driver of every ISA's code-decoder test. Rows of 32 values are
 /// shorter than one load; 64 and 128 end with vectors read from their end.
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) fn for_random_code_rows(seed: u64, mut f: impl FnMut(usize, &[u32], usize)) {
     let mut x = seed;
     let mut next = || {

@@ -15,8 +15,10 @@
 //! codes' spread around it; `Σ q` is exact. The V pass stays exact. `kvq perplexity` measures
 //! what this costs against the exact pass (README); `--exact-attention` keeps the exact pass.
 
-#[cfg(target_arch = "x86_64")]
-use super::kernel::{pitch, prefetch_len, Shape};
+// Elsewhere than x86-64 the pass does not run (every call scores exactly); its types stay so
+// the kernel has one signature.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 #[cfg(target_arch = "x86_64")]
 use super::rows::{Params, Rows};
 #[cfg(target_arch = "x86_64")]
@@ -183,8 +185,9 @@ pub(super) fn takes(bits: u32, group: usize, head_dim: usize) -> bool {
 }
 
 /// Scores of every query head against every row, as the exact K pass writes them
-/// (`scores[(kh · G + j) · pitch + t]`). `qi` holds the task's query rows from row `h0`
-/// (`[KV heads · G]` of them). Rows two at a time.
+/// (`scores[(kh · G + j) · np + t]`, `G` = `g`). `qi` holds the task's query rows from row `h0`
+/// (`[KV heads · G]` of them); `two`: two groups a row (head_dim 128); `dist`: how many
+/// positions ahead rows are prefetched. Rows two at a time.
 ///
 /// Safety: as the exact pass; `K` is a 4-bit row view ([`Rows::row_bytes`]) of groups of 64
 /// and head_dim 64 or 128 (`qi`'s); the CPU has `S`'s and `D`'s features.
@@ -196,14 +199,12 @@ pub(super) unsafe fn k_pass<S: Simd, D: Dot, K: Rows<S>, V: Rows<S>>(
     qi: &QueryI8,
     h0: usize,
     slots: &[u32],
-    sh: Shape,
+    (g, two, np, dist): (usize, bool, usize, usize),
     kp: Params,
     scores: &mut [f32],
 ) {
     let n = slots.len();
     let (k0, v0) = &heads[0];
-    let dist = prefetch_len(k0.slot_bytes());
-    let two = sh.groups == 2;
     let mut t = 0;
     while t < n {
         let rw = if t + 1 < n { 2 } else { 1 };
@@ -214,17 +215,19 @@ pub(super) unsafe fn k_pass<S: Simd, D: Dot, K: Rows<S>, V: Rows<S>>(
                 v0.prefetch(slots[ahead - n] as usize);
             }
         }
+        let at = (g, np, t);
         match (two, rw) {
-            (true, 2) => k_heads::<S, D, K, V, 2, 2>(heads, qi, h0, slots, sh, kp, t, scores),
-            (true, _) => k_heads::<S, D, K, V, 2, 1>(heads, qi, h0, slots, sh, kp, t, scores),
-            (false, 2) => k_heads::<S, D, K, V, 1, 2>(heads, qi, h0, slots, sh, kp, t, scores),
-            _ => k_heads::<S, D, K, V, 1, 1>(heads, qi, h0, slots, sh, kp, t, scores),
+            (true, 2) => k_heads::<S, D, K, V, 2, 2>(heads, qi, h0, slots, at, kp, scores),
+            (true, _) => k_heads::<S, D, K, V, 2, 1>(heads, qi, h0, slots, at, kp, scores),
+            (false, 2) => k_heads::<S, D, K, V, 1, 2>(heads, qi, h0, slots, at, kp, scores),
+            _ => k_heads::<S, D, K, V, 1, 1>(heads, qi, h0, slots, at, kp, scores),
         }
         t += rw;
     }
 }
 
-/// The rows `t..t+RW` for every KV head and chunk of four query heads.
+/// The rows `t..t+RW` for every KV head and chunk of four query heads (`G` = `g`, scores at
+/// pitch `np`).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -233,12 +236,10 @@ unsafe fn k_heads<S: Simd, D: Dot, K: Rows<S>, V: Rows<S>, const NG: usize, cons
     qi: &QueryI8,
     h0: usize,
     slots: &[u32],
-    sh: Shape,
+    (g, np, t): (usize, usize, usize),
     kp: Params,
-    t: usize,
     scores: &mut [f32],
 ) {
-    let (g, np) = (sh.g, pitch(slots.len()));
     for (kh, (k, _)) in heads.iter().enumerate() {
         let sc = scores.get_unchecked_mut(kh * g * np..(kh + 1) * g * np);
         let mut j0 = 0;

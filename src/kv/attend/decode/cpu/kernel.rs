@@ -21,7 +21,9 @@
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
 //! accumulators stay in registers); a row is decoded once per chunk.
 
-use super::int8::{self, Dot, QueryI8};
+#[cfg(target_arch = "x86_64")]
+use super::int8;
+use super::int8::{Dot, QueryI8};
 use super::rows::{Params, Rows};
 use crate::simd::Simd;
 
@@ -43,7 +45,7 @@ fn tile_len(row_bytes: usize) -> usize {
 const PREFETCH_BYTES: usize = 16 << 10;
 
 /// Positions the K pass prefetches ahead for rows of `row_bytes` (all KV heads).
-pub(super) fn prefetch_len(row_bytes: usize) -> usize {
+fn prefetch_len(row_bytes: usize) -> usize {
     (PREFETCH_BYTES / row_bytes.max(1)).clamp(8, 64)
 }
 
@@ -76,7 +78,7 @@ pub(super) struct Scratch {
 /// Distance between the per-(head, group) arrays over a task's `n` positions: a multiple of 16
 /// plus 16, so the many arrays written side by side (scores of every query head, parameters of
 /// every head) do not all start at the same offset modulo 4 KiB and fight over one L1 set.
-pub(super) fn pitch(n: usize) -> usize {
+fn pitch(n: usize) -> usize {
     n.next_multiple_of(16) + 16
 }
 
@@ -151,7 +153,8 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
     match qi {
         #[cfg(target_arch = "x86_64")]
         Some((qi, h0)) if D::INT => {
-            int8::k_pass::<S, D, K, V>(heads, qi, h0, slots, sh, kp, scores)
+            let at = (g, sh.groups == 2, np, prefetch_len(k0.slot_bytes()));
+            int8::k_pass::<S, D, K, V>(heads, qi, h0, slots, at, kp, scores)
         }
         _ => k_pass(heads, q, slots, sh, kp, scores),
     }

@@ -39,6 +39,7 @@ pub(super) trait Rows<S: Simd>: Sync {
         self.pair(row, u)
     }
     /// The row at `row` as bytes (quantized rows: its codes). Safety: as [`Rows::vec`].
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     unsafe fn row_bytes(&self, row: usize) -> *const u8;
     /// Groups of a slot, all KV heads (dense rows: 0), and this head's first one.
     fn slot_groups(&self) -> usize;

@@ -322,22 +322,28 @@ fn decode_with(
 
 /// Whether [`key_pass`] takes the 8-bit pass for keys of `format` on this CPU's best ISA.
 pub(super) fn int8_keys(format: &crate::kv::format::KvFormat, head_dim: usize) -> bool {
-    let crate::kv::format::KvFormat::Affine { key, .. } = format else {
-        return false;
+    let key = match format {
+        crate::kv::format::KvFormat::Affine { key, .. } => Some(*key),
+        crate::kv::format::KvFormat::Dense(_) => None,
     };
-    head_dim.is_multiple_of(8)
-        && int8::takes(key.bits(), key.group_size(), head_dim)
-        && Isa::best(head_dim) != Isa::Portable
+    key_pass_for(key, head_dim, Isa::best(head_dim)) != Keys::Exact
 }
 
-/// The 8-bit K pass for `isa` where [`int8::takes`] the keys and the CPU has an integer dot
-/// product; else exact.
+/// The K pass of a call over `kv` on `isa` ([`key_pass_for`] of its keys' format).
 fn key_pass(kv: &LayerKv, head_dim: usize, isa: Isa) -> Keys {
-    let LayerKv::Affine { kfmt, .. } = kv else {
-        return Keys::Exact;
+    let key = match kv {
+        LayerKv::Affine { kfmt, .. } => Some(*kfmt),
+        LayerKv::Dense { .. } => None,
     };
-    if !int8::takes(kfmt.bits(), kfmt.group_size(), head_dim) {
-        return Keys::Exact;
+    key_pass_for(key, head_dim, isa)
+}
+
+/// The 8-bit K pass for `isa` where [`int8::takes`] the keys (`None`: dense) and the CPU has an
+/// integer dot product; else exact. The one rule for the kernel and for the labels that name it.
+fn key_pass_for(key: Option<QuantFormat>, head_dim: usize, isa: Isa) -> Keys {
+    match key {
+        Some(k) if int8::takes(k.bits(), k.group_size(), head_dim) => {}
+        _ => return Keys::Exact,
     }
     match isa {
         #[cfg(target_arch = "x86_64")]

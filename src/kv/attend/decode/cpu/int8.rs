@@ -276,6 +276,15 @@ unsafe fn nibbles(x: __m256i) -> (__m256i, __m256i) {
     )
 }
 
+/// `acc` plus the dot products of code nibbles `(lo, hi)` with the 64 query bytes at `qb`
+/// (32 for the low nibbles, then 32 for the high).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dot_bytes<D: Dot>(acc: __m256i, (lo, hi): (__m256i, __m256i), qb: *const i8) -> __m256i {
+    let ld = |p: *const i8| _mm256_loadu_si256(p as *const __m256i);
+    D::dot2(acc, lo, ld(qb), hi, ld(qb.add(32)))
+}
+
 /// Lanes `[a ×4 | b ×4]` from the two floats at `p` (a row's two key scales or biases).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -338,7 +347,6 @@ unsafe fn k_rows2<S: Simd, D: Dot, R: Rows<S>, const NJ: usize, const RW: usize>
     np: usize,
     scores: &mut [f32],
 ) {
-    let ld = |p: *const i8| _mm256_loadu_si256(p as *const __m256i);
     let f = |p: *const f32| _mm256_loadu2_m128(p.add(qi.stride), p);
     let (qs, qc, qt) = (
         f(qi.scale.as_ptr().add(h)),
@@ -354,8 +362,8 @@ unsafe fn k_rows2<S: Simd, D: Dot, R: Rows<S>, const NJ: usize, const RW: usize>
         let mut acc = [_mm256_setzero_si256(); 4];
         for j in 0..NJ {
             let qb = qi.bytes.as_ptr().add((h + j) * 2 * GROUP);
-            let a = D::dot2(acc[j], xl, ld(qb), xh, ld(qb.add(32)));
-            acc[j] = D::dot2(a, yl, ld(qb.add(64)), yh, ld(qb.add(96)));
+            let a = dot_bytes::<D>(acc[j], (xl, xh), qb);
+            acc[j] = dot_bytes::<D>(a, (yl, yh), qb.add(64));
         }
         let sums = _mm256_hadd_epi32(
             _mm256_hadd_epi32(acc[0], acc[1]),
@@ -395,13 +403,7 @@ unsafe fn k_rows1<S: Simd, D: Dot, R: Rows<S>, const NJ: usize, const RW: usize>
         let (lo, hi) = nibbles(_mm256_loadu_si256(p as *const __m256i));
         for j in 0..NJ {
             let qb = qi.bytes.as_ptr().add((h + j) * GROUP);
-            acc[4 * r + j] = D::dot2(
-                acc[4 * r + j],
-                lo,
-                _mm256_loadu_si256(qb as *const __m256i),
-                hi,
-                _mm256_loadu_si256(qb.add(32) as *const __m256i),
-            );
+            acc[4 * r + j] = dot_bytes::<D>(acc[4 * r + j], (lo, hi), qb);
         }
     }
     let f = _mm256_cvtepi32_ps(reduce8(acc));

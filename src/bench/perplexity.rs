@@ -32,9 +32,9 @@ pub struct Setting {
     pub label: String,
     /// Cache geometry and formats; the pools are sized here for one window.
     pub config: CacheConfig,
-    /// Score keys exactly on the CPU (`kv::attend::decode::set_exact_keys`) for this setting,
+    /// Attend exactly on the CPU (`kv::attend::decode::set_exact_attention`) for this setting,
     /// whatever the process-wide choice.
-    pub exact_keys: bool,
+    pub exact_attention: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -125,7 +125,7 @@ pub fn evaluate(
         .collect::<Result<Vec<_>>>()?;
     let mut accs: Vec<Acc> = settings.iter().map(|_| Acc::default()).collect();
     // The process-wide choice, put back however this returns.
-    let exact = ExactKeys(decode::exact_keys());
+    let exact = ExactAttention(decode::exact_attention());
     let second_half_from = opts.ctx - 1 - (opts.ctx - 1) / 2;
 
     for win in tokens.chunks_exact(opts.ctx) {
@@ -147,7 +147,9 @@ pub fn evaluate(
                     seq: 0,
                     tokens: chunk.to_vec(),
                 }];
-                decode::set_exact_keys(exact.0 || settings.get(i).is_some_and(|s| s.exact_keys));
+                decode::set_exact_attention(
+                    exact.0 || settings.get(i).is_some_and(|s| s.exact_attention),
+                );
                 let logits = model.forward(&input, cache, LogitsFor::All)?;
                 progress(n);
                 if m == 0 {
@@ -201,12 +203,12 @@ pub fn evaluate(
         .collect())
 }
 
-/// Puts the process-wide exact-keys choice back when dropped.
-struct ExactKeys(bool);
+/// Puts the process-wide exact-attention choice back when dropped.
+struct ExactAttention(bool);
 
-impl Drop for ExactKeys {
+impl Drop for ExactAttention {
     fn drop(&mut self) {
-        decode::set_exact_keys(self.0);
+        decode::set_exact_attention(self.0);
     }
 }
 
@@ -347,7 +349,7 @@ mod tests {
         let s = Setting {
             label: "x".into(),
             config: cfg,
-            exact_keys: false,
+            exact_attention: false,
         };
         let a = Acc {
             nll: vec![1.0, 3.0],

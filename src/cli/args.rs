@@ -43,11 +43,11 @@ pub struct DeviceArgs {
     )]
     pub cuda_graphs: bool,
 
-    /// CPU decode attention: score 4-bit keys (groups of 64, head_dim 64 or 128) with the query
-    /// in f32 — the exact kernel, the reference — instead of rounding each group of 64 query
-    /// values to 8 bits for integer dot products (the default where the CPU has AVX2 or
-    /// AVX-512 VNNI: about twice as fast on the keys; its KL against the exact kernel is in
-    /// README). GPUs always score exactly.
+    /// CPU decode attention over 4-bit caches (groups of 64, head_dim 64 or 128) in f32 — the
+    /// exact kernel, the reference — instead of rounding each group of 64 query values, and for
+    /// 4-bit values each V tile's softmax weights, to 8 bits for integer dot products (the
+    /// default where the CPU has AVX2 or AVX-512 VNNI: ~1.5x faster at 16K; its KL against the
+    /// exact kernel is in README). GPUs always attend exactly.
     #[arg(long)]
     pub exact_attention: bool,
 }
@@ -64,7 +64,7 @@ fn parse_on_off(s: &str) -> std::result::Result<bool, String> {
 impl DeviceArgs {
     /// Opens the device, and sizes the CPU thread pools: `--threads`, else the physical cores.
     pub fn open(&self) -> Result<Device> {
-        crate::kv::attend::decode::set_exact_keys(self.exact_attention);
+        crate::kv::attend::decode::set_exact_attention(self.exact_attention);
         let n = match self.threads {
             Some(0) => bail!("--threads must be at least 1"),
             Some(n) => {

@@ -55,7 +55,7 @@ pub struct PerplexityArgs {
     /// dense cache of that dtype) or BITS[:affine|:rotated][:gG][:exact], BITS being one width,
     /// an average as --kv-bits takes it (`3.5` = 4-bit K / 3-bit V) or KEY/VALUE widths (e.g.
     /// `4`, `4:affine`, `3:g32`, `6/4`; scheme and group default to --kv-quant-scheme /
-    /// --kv-group-size; `:exact` scores the keys as --exact-attention does).
+    /// --kv-group-size; `:exact` attends as --exact-attention does).
     /// Divergences are measured against the first entry; if it is not dense, a dense cache in
     /// the compute dtype is added in front (unless --quantized-reference). Without --compare: the
     /// dense cache and the setting given by --kv-bits (and the other KV flags).
@@ -63,8 +63,8 @@ pub struct PerplexityArgs {
     pub compare: Option<String>,
 
     /// Measure divergences against the first --compare entry even when it is quantized (no
-    /// dense cache in front): `--compare 4:exact,4` gives what the CPU's 8-bit query pass costs
-    /// against the exact kernel.
+    /// dense cache in front): `--compare 4:exact,4` gives what the CPU's 8-bit passes (queries,
+    /// softmax weights) cost against the exact kernel.
     #[arg(long, requires = "compare")]
     pub quantized_reference: bool,
 
@@ -169,7 +169,7 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             Ok(Setting {
                 label: format!("{} (dense)", dt.as_str()),
                 config: cfg,
-                exact_keys: false,
+                exact_attention: false,
             })
         }
         Spec::Quant {
@@ -198,22 +198,26 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             if kv.dense_layers.is_some() || kv.quantized_kv_start > 0 {
                 label += " (+dense parts)";
             }
-            // Where the CPU kernel would round the query to 8 bits for these keys, say which
-            // way this row scored them.
+            // Where the CPU kernel would round the query (and weights) to 8 bits for these
+            // formats, say which way this row attended.
             let hd = model.config().head_dim;
             let int8 = model.device().is_cpu()
                 && cfg
                     .formats
                     .iter()
-                    .any(|f| crate::kv::attend::decode::cpu_int8_keys(f, hd));
+                    .any(|f| crate::kv::attend::decode::cpu_int8_attention(f, hd));
             if int8 {
-                let exact_keys = *exact || crate::kv::attend::decode::exact_keys();
-                label += if exact_keys { ", exact q" } else { ", 8-bit q" };
+                let exact_attention = *exact || crate::kv::attend::decode::exact_attention();
+                label += if exact_attention {
+                    ", exact attention"
+                } else {
+                    ", 8-bit attention"
+                };
             }
             Ok(Setting {
                 label,
                 config: cfg,
-                exact_keys: *exact,
+                exact_attention: *exact,
             })
         }
     }

@@ -161,7 +161,7 @@ fn reference(c: &Case) -> Tensor {
 /// (the 8-bit query pass for 4-bit keys is checked against it in the crate's unit tests; no
 /// other test of this binary attends in-process, so the process-wide switch is safe here).
 fn fused(c: &Case) -> Tensor {
-    kvq::kv::attend::decode::set_exact_keys(true);
+    kvq::kv::attend::decode::set_exact_attention(true);
     run(c, decode_attention)
 }
 

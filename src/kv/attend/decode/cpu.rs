@@ -17,9 +17,11 @@
 //! [`simd::Portable`]. A head dimension that is not a multiple of 8 goes to the generic path.
 
 mod int8;
+mod int8v;
 mod kernel;
 mod launch;
 mod rows;
+mod softmax;
 
 use super::{generic, Dims, Tables};
 use crate::kv::format::{LayerKv, QuantFormat, Quantized};
@@ -247,7 +249,7 @@ pub(super) fn decode(
         return generic::decode_checked(q, kv, dims, t, scale);
     }
     let isa = Isa::best(dims.head_dim);
-    let keys = if super::exact_keys() {
+    let keys = if super::exact_attention() {
         Keys::Exact
     } else {
         key_pass(kv, dims.head_dim, isa)
@@ -320,8 +322,9 @@ fn decode_with(
     Tensor::from_vec(out, (d.batch, d.heads, d.head_dim), &Device::Cpu)?.to_dtype(q.dtype())
 }
 
-/// Whether [`key_pass`] takes the 8-bit pass for keys of `format` on this CPU's best ISA.
-pub(super) fn int8_keys(format: &crate::kv::format::KvFormat, head_dim: usize) -> bool {
+/// Whether [`key_pass`] takes the 8-bit passes for keys of `format` on this CPU's best ISA
+/// (values: [`int8v`] where they are 4-bit too).
+pub(super) fn int8_attention(format: &crate::kv::format::KvFormat, head_dim: usize) -> bool {
     let key = match format {
         crate::kv::format::KvFormat::Affine { key, .. } => Some(*key),
         crate::kv::format::KvFormat::Dense(_) => None,

@@ -31,24 +31,24 @@ use crate::kv::format::rotation::Rotation;
 use crate::kv::format::{LayerKv, QuantFormat};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-static EXACT_KEYS: AtomicBool = AtomicBool::new(false);
+static EXACT_ATTENTION: AtomicBool = AtomicBool::new(false);
 
-/// Makes the CPU kernel score 4-bit keys with the query in f32 (`--exact-attention`) instead of
-/// rounding each query group to 8 bits for integer dot products (`cpu` module: its cost in KL
-/// is measured in README). Process-wide: set once from the command line.
-pub fn set_exact_keys(on: bool) {
-    EXACT_KEYS.store(on, Ordering::Relaxed);
+/// Makes the CPU kernel attend over 4-bit caches in f32 (`--exact-attention`) instead of rounding
+/// each query group and each V tile's softmax weights to 8 bits for integer dot products (`cpu`
+/// module: its cost in KL is measured in README). Process-wide: set once from the command line.
+pub fn set_exact_attention(on: bool) {
+    EXACT_ATTENTION.store(on, Ordering::Relaxed);
 }
 
-/// Whether [`set_exact_keys`] is on.
-pub fn exact_keys() -> bool {
-    EXACT_KEYS.load(Ordering::Relaxed)
+/// Whether [`set_exact_attention`] is on.
+pub fn exact_attention() -> bool {
+    EXACT_ATTENTION.load(Ordering::Relaxed)
 }
 
-/// Whether the CPU kernel scores keys of `format` at `head_dim` with 8-bit queries on this CPU
-/// (unless [`set_exact_keys`]).
-pub fn cpu_int8_keys(format: &crate::kv::format::KvFormat, head_dim: usize) -> bool {
-    cpu::int8_keys(format, head_dim)
+/// Whether the CPU kernel attends over keys of `format` at `head_dim` with 8-bit queries (and,
+/// for 4-bit values, 8-bit weights) on this CPU (unless [`set_exact_attention`]).
+pub fn cpu_int8_attention(format: &crate::kv::format::KvFormat, head_dim: usize) -> bool {
+    cpu::int8_attention(format, head_dim)
 }
 
 /// Why a decode-attention call is refused; each message names the offending input.

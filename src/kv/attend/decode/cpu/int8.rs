@@ -12,7 +12,8 @@
 //! `σ = max|q| / 127`, `q8 = round(q / σ)`):
 //! `q·k̂ = s·Σ q·c + b·Σ q` and `Σ q·c ≈ σ·Σ q8·c + 7.5·(Σ q − σ·Σ q8)`: the rounding error's
 //! share along the codes' mean (7.5) is put back, so what is left is the error against the
-//! codes' spread around it; `Σ q` is exact. The V pass stays exact. `kvq perplexity` measures
+//! codes' spread around it; `Σ q` is exact. 4-bit values take the 8-bit-weight V pass
+//! ([`super::int8v`]) in the same calls. `kvq perplexity` measures
 //! what this costs against the exact pass (README); `--exact-attention` keeps the exact pass.
 
 // Elsewhere than x86-64 the pass does not run (every call scores exactly); its types stay so
@@ -123,6 +124,12 @@ pub(super) trait Dot: Copy {
     /// Safety: the CPU has the implementation's features.
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot2(acc: __m256i, lo: __m256i, qlo: __m256i, hi: __m256i, qhi: __m256i) -> __m256i;
+    /// `acc + u·w` per i32 lane summing its 4 byte products: `u` unsigned (0..=15), `w` signed
+    /// (−127..=127; maddubs' pair sums stay under 2·15·127).
+    ///
+    /// Safety: the CPU has the implementation's features.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot(acc: __m256i, u: __m256i, w: __m256i) -> __m256i;
 }
 
 /// No integer pass: the exact float K pass.
@@ -133,6 +140,10 @@ impl Dot for Exact {
     const INT: bool = false;
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot2(acc: __m256i, _: __m256i, _: __m256i, _: __m256i, _: __m256i) -> __m256i {
+        acc
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot(acc: __m256i, _: __m256i, _: __m256i) -> __m256i {
         acc
     }
 }
@@ -149,6 +160,11 @@ impl Dot for Vnni {
     unsafe fn dot2(acc: __m256i, lo: __m256i, qlo: __m256i, hi: __m256i, qhi: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, qlo), hi, qhi)
     }
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    unsafe fn dot(acc: __m256i, u: __m256i, w: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, u, w)
+    }
 }
 
 /// AVX2: `vpmaddubsw` (pairs into 16 bits: at most 2·15·127 each, two of them add without
@@ -163,6 +179,12 @@ impl Dot for Madd {
     #[target_feature(enable = "avx2")]
     unsafe fn dot2(acc: __m256i, lo: __m256i, qlo: __m256i, hi: __m256i, qhi: __m256i) -> __m256i {
         let s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, qlo), _mm256_maddubs_epi16(hi, qhi));
+        _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot(acc: __m256i, u: __m256i, w: __m256i) -> __m256i {
+        let s = _mm256_maddubs_epi16(u, w);
         _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)))
     }
 }
@@ -268,7 +290,7 @@ unsafe fn k_heads<S: Simd, D: Dot, K: Rows<S>, V: Rows<S>, const NG: usize, cons
 /// The 16 low nibbles and 16 high nibbles of each 16 bytes of `x`, as bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn nibbles(x: __m256i) -> (__m256i, __m256i) {
+pub(super) unsafe fn nibbles(x: __m256i) -> (__m256i, __m256i) {
     let m = _mm256_set1_epi8(0x0F);
     (
         _mm256_and_si256(x, m),

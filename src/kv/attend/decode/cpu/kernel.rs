@@ -17,6 +17,8 @@
 //! - V pass, in tiles of positions ([`tile_len`]) and blocks of up to four vector columns (16
 //!   accumulators for four query heads; two columns with 16 registers), rows rebuilt as in the
 //!   K pass.
+//! - Where the keys take the 8-bit query pass ([`int8`]) and the values are 4-bit too, the V
+//!   pass sums codes against 8-bit weights instead ([`int8v`]), tile by tile.
 //!
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
 //! accumulators stay in registers); a row is decoded once per chunk.
@@ -24,7 +26,9 @@
 #[cfg(target_arch = "x86_64")]
 use super::int8;
 use super::int8::{Dot, QueryI8};
+use super::int8v;
 use super::rows::{Params, Rows};
+use super::softmax::softmax_rows;
 use crate::simd::Simd;
 
 /// Bytes of V rows (all KV heads) per V tile: the tile's rows stay in L1 while every column of
@@ -34,7 +38,7 @@ const TILE_BYTES: usize = 16 << 10;
 /// Positions per V tile for slot rows of `row_bytes`: 32 for 4-bit rows of 8 heads × 128, 16
 /// for 8-bit, 8 for f16 (measured: a fixed 32 slows the wider rows, 16 the 4-bit ones).
 fn tile_len(row_bytes: usize) -> usize {
-    (TILE_BYTES / row_bytes.max(1)).clamp(8, 32)
+    (TILE_BYTES / row_bytes.max(1)).clamp(8, int8v::MAX_TILE)
 }
 
 /// How far ahead the K pass prefetches slot rows, in bytes of rows. Blocks are shuffled, so
@@ -73,6 +77,8 @@ pub(super) struct Scratch {
     /// Widened K and V scales and biases ([`Params`]).
     k_params: Vec<f32>,
     v_params: Vec<f32>,
+    /// The 8-bit-weight V pass's ([`int8v`]).
+    v8: int8v::Scratch,
 }
 
 /// Distance between the per-(head, group) arrays over a task's `n` positions: a multiple of 16
@@ -167,6 +173,17 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
         softmax_rows(sc, n, np, m, l);
         acc.fill(0.0);
     }
+    // 4-bit values where the keys took the 8-bit pass: the 8-bit-weight V pass ([`int8v`]).
+    let int_v = D::INT && V::BITS == 4 && qi.is_some();
+    let vd = int8v::Dims {
+        g,
+        groups: sh.groups,
+        kv_heads: kvh,
+        pitch: np,
+    };
+    if int_v {
+        int8v::start(&mut scratch.v8, vd);
+    }
     let rows = &mut scratch.rows;
     let tl = tile_len(v0.slot_bytes());
     for (ti, tile) in slots.chunks(tl).enumerate() {
@@ -179,6 +196,12 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
             }
             rows.clear();
             rows.extend(tile.iter().map(|&s| v.row(s as usize)));
+            #[cfg(target_arch = "x86_64")]
+            if int_v {
+                let p = &scores[kh * g * np..][..g * np];
+                int8v::tile::<S, D, V>(v, rows, p, vp, (t0, kh), vd, &mut scratch.v8);
+                continue;
+            }
             let tile = Tile {
                 rows,
                 params: vp,
@@ -200,6 +223,9 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
                 j0 += 4;
             }
         }
+    }
+    if int_v {
+        int8v::finish(&scratch.v8, vd, out, |i| int8v::decoded(S::LANES, i));
     }
 }
 
@@ -498,89 +524,5 @@ unsafe fn v_col<S: Simd, R: Rows<S>, const NJ: usize>(
     for (j, a) in a.iter().enumerate() {
         let o = acc.as_mut_ptr().add((j0 + j) * sh.head_dim + S::LANES * c);
         S::store(o, S::add(S::load(o), *a));
-    }
-}
-
-/// `e^x` for `x <= 0` to ~2e-7 relative, branch-free and with integer-only exponent arithmetic
-/// (a float-to-int `as` cast saturates and checks NaN, which keeps the loop scalar), so the
-/// softmax loop vectorizes.
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: add/sub rounds to an integer
-    let x = x.max(-87.0);
-    let big = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = big - MAGIC;
-    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // `big`'s low mantissa bits hold n (in -126..=0) offset by 2^22: 2^n from them directly.
-    let ni = big.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
-    p * f32::from_bits(((ni + 127) << 23) as u32)
-}
-
-/// Turns `scores` (`G` rows of `n` at `pitch`) into `exp(score - max)` in place, writing
-/// per-head max and sum.
-#[inline(always)]
-fn softmax_rows(scores: &mut [f32], n: usize, pitch: usize, m: &mut [f32], l: &mut [f32]) {
-    for (j, row) in scores.chunks_exact_mut(pitch).enumerate() {
-        let row = &mut row[..n];
-        // Sixteen partial reductions over exact chunks: one running value, or partial chunks
-        // inside the loop, keep these loops scalar.
-        let mut part = [f32::NEG_INFINITY; 16];
-        let chunks = row.chunks_exact(16);
-        for (p, &x) in part.iter_mut().zip(chunks.remainder()) {
-            *p = x;
-        }
-        for c in chunks {
-            for (p, &x) in part.iter_mut().zip(c) {
-                // A compare and select (`f32::max` also orders NaN, which does not vectorize).
-                *p = if x > *p { x } else { *p };
-            }
-        }
-        let mx = part.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        for x in row.iter_mut() {
-            *x = exp_neg(*x - mx);
-        }
-        m[j] = mx;
-        l[j] = sum(row);
-    }
-}
-
-/// `Σ x_i` with sixteen partial sums (vectorizes; fixed order, so deterministic).
-#[inline(always)]
-fn sum(x: &[f32]) -> f32 {
-    let mut part = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    for (p, &x) in part.iter_mut().zip(chunks.remainder()) {
-        *p = x;
-    }
-    for c in chunks {
-        for (p, &x) in part.iter_mut().zip(c) {
-            *p += x;
-        }
-    }
-    part.iter().sum()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::exp_neg;
-
-    /// The integer-exponent `exp` agrees with the library's to its stated accuracy over the
-    /// whole clamped range, down to where results become subnormal.
-    #[test]
-    fn exp_neg_matches_std() {
-        let mut x = 0f32;
-        while x > -87.0 {
-            let (got, want) = (exp_neg(x), x.exp());
-            assert!(
-                (got - want).abs() <= 4e-7 * want,
-                "exp({x}): {got} vs {want}"
-            );
-            x -= 0.0137;
-        }
-        assert_eq!(exp_neg(0.0), 1.0);
     }
 }

@@ -15,8 +15,8 @@ use super::AnyRows;
 use crate::simd::{avx2, avx512};
 use crate::simd::{Isa, Portable};
 
-/// How a call scores its keys: the exact float pass, or 8-bit queries ([`int8`]) through
-/// `vpdpbusd` or through `vpmaddubsw`.
+/// How a call attends: the exact float passes, or 8-bit queries ([`int8`]) and, for 4-bit
+/// values, 8-bit weights (`int8v`), through `vpdpbusd` or through `vpmaddubsw`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) enum Keys {

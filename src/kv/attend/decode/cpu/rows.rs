@@ -9,6 +9,8 @@ use crate::simd::{Elem, Simd};
 pub(super) trait Rows<S: Simd>: Sync {
     /// Whether rows carry a scale and a bias per group.
     const AFFINE: bool;
+    /// Bits per code (dense rows: 0).
+    const BITS: u32 = 0;
     /// Whether [`Rows::rebuilt_pair`] takes a 16-entry table ([`Simd::table4`]).
     const TABLE: bool = false;
     /// Offset of `slot`'s row of this KV head in the pool's element (or word) slice.
@@ -153,6 +155,7 @@ impl<'a, T, const B: u32> AffineRows<'a, T, B> {
 
 impl<S: Simd, T: Elem, const B: u32> Rows<S> for AffineRows<'_, T, B> {
     const AFFINE: bool = true;
+    const BITS: u32 = B;
     const TABLE: bool = B == 4 && S::TABLE4;
     #[inline(always)]
     fn row(&self, slot: usize) -> usize {

@@ -124,12 +124,28 @@ pub(super) trait Dot: Copy {
     /// Safety: the CPU has the implementation's features.
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot2(acc: __m256i, lo: __m256i, qlo: __m256i, hi: __m256i, qhi: __m256i) -> __m256i;
-    /// `acc + u·w` per i32 lane summing its 4 byte products: `u` unsigned (0..=15), `w` signed
-    /// (−127..=127; maddubs' pair sums stay under 2·15·127).
+    /// `acc + u·w` per lane, each summing its 4 byte products (`u` unsigned, 0..=15; `w`
+    /// signed, −127..=127), into an accumulator of [`Dot::widen`]'s kind: `vpmaddubsw`'s
+    /// 16-bit pair sums added as they are (at most 2·15·127 each: eight of them fit 16 bits),
+    /// so one `vpmaddwd` per accumulator replaces one per product; VNNI sums into 32 bits
+    /// directly. At most eight calls per accumulator.
     ///
     /// Safety: the CPU has the implementation's features.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dot(acc: __m256i, u: __m256i, w: __m256i) -> __m256i;
+    unsafe fn dot16(acc: __m256i, u: __m256i, w: __m256i) -> __m256i;
+    /// An accumulator of [`Dot::dot16`] as 32-bit lane sums. Safety: as [`Dot::dot16`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen(acc: __m256i) -> __m256i;
+    /// Whether [`Dot::dot512`] is the CPU's own (AVX-512 VNNI), not a stand-in never run.
+    const WIDE: bool = false;
+    /// [`Dot::dot16`] on 512 bits (32-bit sums). Safety: [`Dot::WIDE`], and the CPU has its
+    /// features.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot512(acc: __m512i, u: __m512i, w: __m512i) -> __m512i {
+        let _ = (u, w);
+        acc
+    }
 }
 
 /// No integer pass: the exact float K pass.
@@ -143,7 +159,11 @@ impl Dot for Exact {
         acc
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dot(acc: __m256i, _: __m256i, _: __m256i) -> __m256i {
+    unsafe fn dot16(acc: __m256i, _: __m256i, _: __m256i) -> __m256i {
+        acc
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen(acc: __m256i) -> __m256i {
         acc
     }
 }
@@ -162,8 +182,18 @@ impl Dot for Vnni {
     }
     #[inline]
     #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
-    unsafe fn dot(acc: __m256i, u: __m256i, w: __m256i) -> __m256i {
+    unsafe fn dot16(acc: __m256i, u: __m256i, w: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, u, w)
+    }
+    #[inline(always)]
+    unsafe fn widen(acc: __m256i) -> __m256i {
+        acc
+    }
+    const WIDE: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    unsafe fn dot512(acc: __m512i, u: __m512i, w: __m512i) -> __m512i {
+        _mm512_dpbusd_epi32(acc, u, w)
     }
 }
 
@@ -183,9 +213,13 @@ impl Dot for Madd {
     }
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn dot(acc: __m256i, u: __m256i, w: __m256i) -> __m256i {
-        let s = _mm256_maddubs_epi16(u, w);
-        _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)))
+    unsafe fn dot16(acc: __m256i, u: __m256i, w: __m256i) -> __m256i {
+        _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, w))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen(acc: __m256i) -> __m256i {
+        _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
     }
 }
 

@@ -137,6 +137,23 @@ pub(super) unsafe fn tile<S: Simd, D: Dot, V: Rows<S>>(
     }
     // Four query heads' sums (16 vectors) need 32 registers.
     let nj = if S::REGS >= 32 { 4 } else { 2 };
+    if D::WIDE && d.groups == 2 {
+        // Both groups of a head row in one 512-bit vector.
+        for half in 0..2 {
+            let mut j0 = 0;
+            while j0 < d.g {
+                let at = (kh, j0, half);
+                match d.g - j0 {
+                    1 => block_wide::<S, D, V, 1>(v, rows, at, d, s),
+                    2 => block_wide::<S, D, V, 2>(v, rows, at, d, s),
+                    3 => block_wide::<S, D, V, 3>(v, rows, at, d, s),
+                    _ => block_wide::<S, D, V, 4>(v, rows, at, d, s),
+                }
+                j0 += 4;
+            }
+        }
+        return;
+    }
     for gi in 0..d.groups {
         for half in 0..2 {
             let mut j0 = 0;
@@ -262,6 +279,8 @@ unsafe fn block<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
     s: &mut Scratch,
 ) {
     let n = rows.len();
+    // Eight steps of four rows at most per accumulator ([`Dot::dot16`]).
+    debug_assert!(n <= MAX_TILE && MAX_TILE <= 32);
     let mut acc = [[_mm256_setzero_si256(); 4]; NJ];
     let w = s.w.as_ptr();
     let mut t = 0;
@@ -289,10 +308,10 @@ unsafe fn block<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
             let wp = w.add(((j0 + j) * d.groups + gi) * MAX_TILE + t) as *const i32;
             let wj = _mm256_set1_epi32(wp.read_unaligned());
             let a = &mut acc[j];
-            a[0] = D::dot(a[0], l0, wj);
-            a[1] = D::dot(a[1], h0, wj);
-            a[2] = D::dot(a[2], l1, wj);
-            a[3] = D::dot(a[3], h1, wj);
+            a[0] = D::dot16(a[0], l0, wj);
+            a[1] = D::dot16(a[1], h0, wj);
+            a[2] = D::dot16(a[2], l1, wj);
+            a[3] = D::dot16(a[3], h1, wj);
         }
         t += 4;
     }
@@ -307,7 +326,92 @@ unsafe fn block<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
             let o = o.add(8 * k);
             _mm256_storeu_ps(
                 o,
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(*a), om, _mm256_loadu_ps(o)),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(D::widen(*a)), om, _mm256_loadu_ps(o)),
+            );
+        }
+    }
+}
+
+/// [`block`] for both groups of a head_dim-128 row at once on 512 bits ([`Dot::WIDE`]): the
+/// row's 64 bytes in one vector, whose 128-bit lanes 0–1 hold group 0 and 2–3 group 1, so the
+/// interleave and the sums are [`block`]'s per 256-bit half.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn block_wide<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
+    v: &V,
+    rows: &[usize],
+    (kh, j0, half): (usize, usize, usize),
+    d: Dims,
+    s: &mut Scratch,
+) {
+    let n = rows.len();
+    let mut acc = [[_mm512_setzero_si512(); 4]; NJ];
+    let w = s.w.as_ptr();
+    let m = _mm512_set1_epi8(0x0F);
+    let nib = |x: __m512i| {
+        (
+            _mm512_and_si512(x, m),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(x), m),
+        )
+    };
+    let mut t = 0;
+    while t < n {
+        let x: [__m512i; 4] = std::array::from_fn(|r| {
+            let row = *rows.get_unchecked((t + r).min(n - 1));
+            _mm512_loadu_si512(v.row_bytes(row) as *const __m512i)
+        });
+        let (a, b) = if half == 0 {
+            (
+                _mm512_unpacklo_epi8(x[0], x[1]),
+                _mm512_unpacklo_epi8(x[2], x[3]),
+            )
+        } else {
+            (
+                _mm512_unpackhi_epi8(x[0], x[1]),
+                _mm512_unpackhi_epi8(x[2], x[3]),
+            )
+        };
+        let (l0, h0) = nib(_mm512_unpacklo_epi16(a, b));
+        let (l1, h1) = nib(_mm512_unpackhi_epi16(a, b));
+        for j in 0..NJ {
+            // Group 0's weights in the low half, group 1's (MAX_TILE bytes on) in the high.
+            let wp = w.add((j0 + j) * 2 * MAX_TILE + t) as *const i32;
+            let lo = _mm256_set1_epi32(wp.read_unaligned());
+            let hi = _mm256_set1_epi32(wp.add(MAX_TILE / 4).read_unaligned());
+            let wj = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            let a = &mut acc[j];
+            a[0] = D::dot512(a[0], l0, wj);
+            a[1] = D::dot512(a[1], h0, wj);
+            a[2] = D::dot512(a[2], l1, wj);
+            a[3] = D::dot512(a[3], h1, wj);
+        }
+        t += 4;
+    }
+    for j in 0..NJ {
+        let at = (j0 + j) * 2;
+        let halves = |lo: __m256, hi: __m256| {
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                _mm256_castps_pd(hi),
+            ))
+        };
+        let om = halves(
+            _mm256_set1_ps(*s.omega.get_unchecked(at)),
+            _mm256_set1_ps(*s.omega.get_unchecked(at + 1)),
+        );
+        let o = s
+            .acc
+            .as_mut_ptr()
+            .add(((kh * d.g) * 2 + at) * GROUP + 32 * half);
+        for (k, a) in acc[j].iter().enumerate() {
+            let (o0, o1) = (o.add(8 * k), o.add(GROUP + 8 * k));
+            let prev = halves(_mm256_loadu_ps(o0), _mm256_loadu_ps(o1));
+            let r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*a), om, prev);
+            _mm256_storeu_ps(o0, _mm512_castps512_ps256(r));
+            _mm256_storeu_ps(
+                o1,
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(r))),
             );
         }
     }

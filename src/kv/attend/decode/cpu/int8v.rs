@@ -4,10 +4,11 @@
 //! Why: the exact V pass rebuilds every code in f32 and spends a float multiply-add per code
 //! and query head — after the 8-bit K pass ([`super::int8`]) the larger half of a 4-bit
 //! call. Here a tile's weights `w_t = p_t·s_t` (softmax numerator times the row's V scale, per
-//! query head and group) are rounded once to integers in −127..=127 against the tile's largest, and
-//! the code bytes of four rows are interleaved so that one `vpdpbusd` (AVX-512 VNNI) or
-//! `vpmaddubsw` + `vpmaddwd` (AVX2) adds four rows' products for eight output values. No crate
-//! offers these kernels over kvq's pool layout.
+//! query head and group) are rounded once to integers in −127..=127 against the tile's
+//! largest, and the code bytes of four rows are interleaved so that one `vpdpbusd` (AVX-512
+//! VNNI; both groups of a 128-wide row on 512 bits) or `vpmaddubsw` (AVX2; 16-bit pair sums,
+//! one `vpmaddwd` per tile) adds four rows' products for eight output values. No crate offers
+//! these kernels over kvq's pool layout.
 //!
 //! Arithmetic, per tile, query head and group (codes `c` in 0..=15, value `v̂ = s·c + b`,
 //! `ω = max_t |w_t| / 127`, `w8 = round(w / ω)`):

@@ -95,18 +95,24 @@ pub(super) fn start(s: &mut Scratch, d: Dims) {
 }
 
 /// Adds the task's sums to `out` (per KV head `[max (G) | sum (G) | G × head_dim]`, values in
-/// decoded order: `decoded(natural index)`).
-pub(super) fn finish(s: &Scratch, d: Dims, out: &mut [f32], decoded: impl Fn(usize) -> usize) {
+/// the kernel's decoded order for `lanes`-wide vectors, [`decoded`]).
+pub(super) fn finish(s: &Scratch, d: Dims, out: &mut [f32], lanes: usize) {
     let hd = d.groups * GROUP;
     let stride = 2 * d.g + d.g * hd;
+    // Pass order → decoded order, once per task (head_dim is at most two groups).
+    let mut place = [0usize; 2 * GROUP];
+    for (i, p) in place.iter_mut().take(hd).enumerate() {
+        *p = decoded(lanes, i / GROUP * GROUP + natural(i % GROUP));
+    }
     for kh in 0..d.kv_heads {
         for j in 0..d.g {
             let o = &mut out[kh * stride + 2 * d.g + j * hd..][..hd];
             for gi in 0..d.groups {
                 let at = (kh * d.g + j) * d.groups + gi;
                 let c: f32 = s.shared[at * 8..][..8].iter().sum();
-                for (i, &x) in s.acc[at * GROUP..][..GROUP].iter().enumerate() {
-                    o[decoded(gi * GROUP + natural(i))] += x + c;
+                let acc = &s.acc[at * GROUP..][..GROUP];
+                for (&x, &p) in acc.iter().zip(&place[gi * GROUP..]) {
+                    o[p] += x + c;
                 }
             }
         }

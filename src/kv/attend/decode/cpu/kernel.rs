@@ -225,7 +225,7 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
         }
     }
     if int_v {
-        int8v::finish(&scratch.v8, vd, out, |i| int8v::decoded(S::LANES, i));
+        int8v::finish(&scratch.v8, vd, out, S::LANES);
     }
 }
 

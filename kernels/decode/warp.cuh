@@ -140,12 +140,14 @@ __device__ __forceinline__ void qdecode_impl(
     __shared__ __align__(16) float q_st[MMA ? 1 : QG * D];
     __shared__ __align__(16) float wacc_st[MMA ? 1 : QW * QG * D];
     extern __shared__ __align__(16) unsigned char stage_s[];
-    float(*q_s)[D] = reinterpret_cast<float(*)[D]>(MMA ? reinterpret_cast<float*>(stage_s) : q_st);
+    // Tensor cores: q in warp 0's second stage, free until that warp's first tile is in (the
+    // first stages are filled while q is prepared).
+    float(*q_s)[D] = reinterpret_cast<float(*)[D]>(MMA ? reinterpret_cast<float*>(stage_s + STG) : q_st);
     auto wacc = [&](int w) -> float(*)[D] {
         return reinterpret_cast<float(*)[D]>(MMA ? reinterpret_cast<float*>(stage_s + w * 2 * STG)
                                                  : wacc_st + w * QG * D);
     };
-    static_assert(!MMA || 2 * STG >= QG * D * 4, "a warp's stages hold its V totals");
+    static_assert(!MMA || STG >= QG * D * 4, "a stage holds q, a warp's two its V totals");
     __shared__ float qsum_s[QG][NCH], wm_s[QW][QG], wl_s[QW][QG];
     __shared__ __align__(16) uint32_t qa_s[MMA ? KST : 1][32][S::QAW];  // q fragments (QAW)
     __shared__ unsigned qmax_s;
@@ -158,9 +160,6 @@ __device__ __forceinline__ void qdecode_impl(
     const uint32_t p1 = (uint32_t)min((long long)len, (long long)p0 + split_len);
     const int live = live_splits(bad_seq, start, len, split_len, nsplit);
     if (split >= live) return;
-    const float qexp = warp_load_q<T, B, D, GS>(q, scale, signs, rotated, b, H, kh, G, j0, gn,
-                                                bad_seq, q_s, qsum_s, qa_s, qmax_s, bad_s);
-
     // A (slot, KV head) pair is a head row: hrow = slot·kvh + kh (32-bit; the host checks the
     // pool's size), its codes at hrow·HB bytes, its scales and biases at hrow·hg.
     const unsigned char* kcb = reinterpret_cast<const unsigned char*>(kc);
@@ -169,27 +168,32 @@ __device__ __forceinline__ void qdecode_impl(
     const int c8 = lane % LPR, rsub = lane / LPR;
     const SeqBlocks<MMA> blocks(tables + (size_t)b * max_blocks, (uint32_t)block_size, p1,
                                 (uint32_t)num_blocks, nkv, (uint32_t)kh);
+    bool bad_row = false;
+    // The warp's first tile: located, and for tensor cores staged before q is prepared.
+    uint32_t t0 = p0 + (uint32_t)warp * 32;
+    const uint32_t stride = QW * 32;
+    unsigned short sreg[4] = {0, 0, 0, 0};
+    auto stage = [&](int buf, uint32_t hr, bool ok) {
+        warp_stage<T, B, D, GS>(stage_s + (warp * 2 + buf) * STG, lane, hr, ok, kcb, vcb, ks, kb,
+                                vs, vb, sreg);
+    };
+    uint32_t q0 = 0, q1 = 0, blk1 = 0, hrow = 0;
+    bool valid = false;
+    if (!bad_seq) {
+        blk1 = blocks.block_of(t0 + stride + lane, q1);
+        const uint32_t blk0 = blocks.block_of(t0 + lane, q0);
+        valid = blocks.locate(t0 + lane, blk0, q0, hrow, bad_row);
+        if constexpr (MMA) stage(0, hrow, valid);
+    }
+    const float qexp = warp_load_q<T, B, D, GS>(q, scale, signs, rotated, b, H, kh, G, j0, gn,
+                                                bad_seq, q_s, qsum_s, qa_s, qmax_s, bad_s);
     // qsum per group (tensor-core path), for the bias term; the warp's softmax state.
     float qsg[NG], m_w[QG], l_w[QG], acc[S::AR][8], accb[S::AR];
     float cv[S::CR][4], accb_c = 0.f;  // tensor-core V: C tiles, bias of column gq
-    warp_start<T, B, D, GS>(gq, qsum_s, qsg, m_w, l_w, acc, accb, cv);
-    bool bad_row = false;
+    warp_start<T, B, D, GS>(tq, qsum_s, qsg, m_w, l_w, acc, accb, cv);
 
     if (!bad_seq) {
-        uint32_t t0 = p0 + (uint32_t)warp * 32;
-        const uint32_t stride = QW * 32;
-        unsigned short sreg[4] = {0, 0, 0, 0};
-        auto stage = [&](int buf, uint32_t hr, bool ok) {
-            warp_stage<T, B, D, GS>(stage_s + (warp * 2 + buf) * STG, lane, hr, ok, kcb, vcb, ks,
-                                    kb, vs, vb, sreg);
-        };
-        uint32_t q0 = 0, q1 = 0;
-        uint32_t blk1 = blocks.block_of(t0 + stride + lane, q1);
-        const uint32_t blk0 = blocks.block_of(t0 + lane, q0);
-        uint32_t hrow = 0;
-        bool valid = blocks.locate(t0 + lane, blk0, q0, hrow, bad_row);
         int buf = 0;
-        if constexpr (MMA) stage(0, hrow, valid);
         for (; t0 < p1; t0 += stride) {
             const uint32_t p = t0 + lane;
             // The next tile: located now (its block ids were read a tile ago), staged (tensor
@@ -220,16 +224,16 @@ __device__ __forceinline__ void qdecode_impl(
             const T* sVS = sKB + 32 * NG;
             const T* sVB = sVS + 32 * NG;
             const uint32_t vrow = valid ? hrow : 0xffffffffu;
-            // SIMT: pj[j] = weight of this lane's position for head j. Tensor cores: pm[ν][e] =
-            // weight of position 8ν + 2·tq + e for head gq (lanes gq < QG).
-            float pj[QG], pm[4][2];
+            // SIMT: pj[j] = weight of this lane's position for head j. Tensor cores: pm[μ][e] =
+            // weight of position 16μ + gq + 8e for head tq.
+            float pj[QG], pm[2][2];
             if constexpr (!MMA) {
                 float s[QG];
                 warp_scores_simt<T, B, D, GS>(valid, hrow, kcb, ks, kb, hg, group, q_s, qsum_s, s);
                 warp_softmax_simt<T, B, D, GS>(s, valid, m_w, l_w, acc, accb, pj);
             } else {
-                float sv[4][2];
-                warp_scores_mma<T, B, D, GS>(lane, tq, vmask, sK, sKS, sKB, qa_s, qexp, qsg, sv);
+                float sv[2][2];
+                warp_scores_mma<T, B, D, GS>(lane, gq, tq, vmask, sK, sKS, sKB, qa_s, qexp, qsg, sv);
                 warp_softmax_mma<T, B, D, GS>(sv, gq, tq, m_w, l_w, acc, accb, cv, accb_c, pm);
             }
             if constexpr (VMMA)

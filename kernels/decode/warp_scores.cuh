@@ -34,7 +34,8 @@ __device__ __forceinline__ float warp_load_q(
         qsum_s[i / NCH][i % NCH] = s;
     }
     // Tensor-core q: scaled by a power of two so its largest value is near 1 (f16 range), split
-    // into hi + lo, laid out as each lane's A fragment per k-step (rows ≥ QG are zero).
+    // into hi + lo, laid out as each lane's B fragment per k-step: lane (g, t) holds column g,
+    // i.e. head g / 2's hi (g even) or lo (g odd) part.
     float qexp = 1.f;
     if (MMA) {
         float mx = 0.f;
@@ -45,31 +46,23 @@ __device__ __forceinline__ float warp_load_q(
         const int e = qm > 0.f && qm < 1e30f ? ilogbf(qm) + 1 : 0;
         qexp = ldexpf(1.f, e);
         const float inv = ldexpf(1.f, -e);
+        static_assert(2 * QG == 8, "the B operand's 8 columns are QG heads × {hi, lo}");
         for (int i = tid; i < KST * 32; i += blockDim.x) {
             const int s = i / 32, l = i % 32, g = l >> 2, t = l & 3;
             // Lane t's j-th code word of a group is word t + 4j of the group (ldmatrix layout);
             // k-step s uses codes 4·(s % KS).. of the lane's words of group s / KS.
             const int u = 4 * (s % KS);
             const int d0 = (s / KS) * GS + CPW * (t + 4 * (u / CPW)) + u % CPW;
-            float v[4], hi[4], lo[4];
+            float p[4];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                v[j] = g < QG ? q_s[g < QG ? g : 0][d0 + j] * inv : 0.f;
-                hi[j] = __half2float(__float2half_rn(v[j]));
-                lo[j] = v[j] - hi[j];
+                const float v = q_s[g >> 1][d0 + j] * inv;
+                const float hi = __half2float(__float2half_rn(v));
+                p[j] = (g & 1) ? v - hi : hi;
             }
-            if (S::QAW == 8) {  // {hi a0, 0, hi a2, 0}, {lo a0, 0, lo a2, 0}
-                qa_s[s][l][0] = pack_half2(hi[0], hi[2]);
-                qa_s[s][l][2 % S::QAW] = pack_half2(hi[1], hi[3]);
-                qa_s[s][l][4 % S::QAW] = pack_half2(lo[0], lo[2]);
-                qa_s[s][l][6 % S::QAW] = pack_half2(lo[1], lo[3]);
-                qa_s[s][l][1] = qa_s[s][l][3] = qa_s[s][l][5 % S::QAW] = qa_s[s][l][7 % S::QAW] = 0u;
-            } else {  // {hi a0, lo a0, hi a2, lo a2}: the rows ≥ 8 of each product are unused
-                qa_s[s][l][0] = pack_half2(hi[0], hi[2]);
-                qa_s[s][l][1] = pack_half2(lo[0], lo[2]);
-                qa_s[s][l][2] = pack_half2(hi[1], hi[3]);
-                qa_s[s][l][3] = pack_half2(lo[1], lo[3]);
-            }
+            // k = (2t, 2t+1) hold dims d0, d0+2; k = (2t+8, 2t+9) dims d0+1, d0+3 (code_frag).
+            qa_s[s][l][0] = pack_half2(p[0], p[2]);
+            qa_s[s][l][1] = pack_half2(p[1], p[3]);
         }
     }
     __syncthreads();
@@ -225,19 +218,17 @@ __device__ __forceinline__ void warp_softmax_simt(
     }
 }
 
-// 1. Tensor-core scores S = Q·Kᵀ, n-tile ν = positions 8ν..8ν+7 of the tile, from the staged
+// 1. Tensor-core scores S = K·Qᵀ, m-tile μ = positions 16μ..16μ+15 of the tile, from the staged
 // tile (sK codes, sKS / sKB scales and biases): a lane's words of position 8ν + gq's row by
-// ldmatrix. sv[ν][e]: head gq, position 8ν + 2·tq + e; -inf where masked out by vmask. The
-// k-steps are the outer loop, so each k-step's q fragments are read once for the four n-tiles
-// and sit in the mma's operand registers (zero rows included) without copies; each n-tile's
-// accumulator still takes hi, lo of k-step 0, 1, ... of a group in order, and the groups enter
-// its score in order.
+// ldmatrix (n-tiles ν = 2μ, 2μ + 1 are the A operand's rows gq and gq + 8). sv[μ][e]: head tq,
+// position 16μ + gq + 8e (its hi and lo columns summed); -inf where masked out by vmask. The
+// k-steps are the outer loop, so each k-step's q fragment is read once for both m-tiles; each
+// accumulator takes k-step 0, 1, ... of a group in order, and the groups enter a score in order.
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void warp_scores_mma(
-    int lane, int tq, unsigned vmask, const unsigned char* sK, const T* sKS, const T* sKB,
+    int lane, int gq, int tq, unsigned vmask, const unsigned char* sK, const T* sKS, const T* sKB,
     uint32_t (*qa_s)[32][QShape<T, B, D, GS>::QAW], float qexp,
-    const float (&qsg)[QShape<T, B, D, GS>::NG],
-    float (&sv)[4][2]) {
+    const float (&qsg)[QShape<T, B, D, GS>::NG], float (&sv)[2][2]) {
     using S = QShape<T, B, D, GS>;
     constexpr int HB = S::HB, NG = S::NG, KS = S::KS, QWB = S::QWB, WPL = S::WPL;
     constexpr int CPR = S::CPR;
@@ -245,81 +236,78 @@ __device__ __forceinline__ void warp_scores_mma(
     uint32_t w[4][WPL];
 #pragma unroll
     for (int nu = 0; nu < 4; nu++) ldsm_rows<HB>(sK, 8 * nu, lane, w[nu]);
-    float acc_s[4][2];
+    // Σ over groups of scale·(q·codes) (in units of qexp) and of bias·Σq.
+    float dot[2][2], bias[2][2];
 #pragma unroll
-    for (int nu = 0; nu < 4; nu++) acc_s[nu][0] = acc_s[nu][1] = 0.f;
+    for (int mu = 0; mu < 2; mu++) dot[mu][0] = dot[mu][1] = bias[mu][0] = bias[mu][1] = 0.f;
 #pragma unroll
     for (int gi = 0; gi < NG; gi++) {
-        float c[4][4];
+        float c[2][4];
 #pragma unroll
-        for (int nu = 0; nu < 4; nu++)
+        for (int mu = 0; mu < 2; mu++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) c[nu][i] = 0.f;
+            for (int i = 0; i < 4; i++) c[mu][i] = 0.f;
 #pragma unroll
         for (int sp = 0; sp < KS; sp++) {
             const int s = gi * KS + sp;
-            uint4 ah, al;  // the hi and lo A operands
-            if (S::QAW == 8) {
-                ah = *reinterpret_cast<const uint4*>(&qa_s[s][lane][0]);
-                al = *reinterpret_cast<const uint4*>(&qa_s[s][lane][4 % S::QAW]);
-            } else {
-                const uint4 a = *reinterpret_cast<const uint4*>(qa_s[s][lane]);
-                ah = a;
-                al = make_uint4(a.y, a.x, a.w, a.z);
-            }
+            const uint2 q2 = *reinterpret_cast<const uint2*>(qa_s[s][lane]);
 #pragma unroll
-            for (int nu = 0; nu < 4; nu++) {
-                uint32_t b0, b1;
-                if (B == 4) code_frag<4>(w[nu][gi * QWB / 4 + sp / 2], 2 * (sp % 2), b0, b1);
-                else code_frag<8>(w[nu][gi * QWB / 4 + sp], 0, b0, b1);
-                mma16816(c[nu], ah.x, ah.y, ah.z, ah.w, b0, b1);
-                mma16816(c[nu], al.x, al.y, al.z, al.w, b0, b1);
+            for (int mu = 0; mu < 2; mu++) {
+                uint32_t a[4];  // rows gq (n-tile 2μ): a0, a2; rows gq + 8 (2μ + 1): a1, a3
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint32_t* x = w[2 * mu + h];
+                    if (B == 4) code_frag<4>(x[gi * QWB / 4 + sp / 2], 2 * (sp % 2), a[h], a[h + 2]);
+                    else code_frag<8>(x[gi * QWB / 4 + sp], 0, a[h], a[h + 2]);
+                }
+                mma16816(c[mu], a[0], a[1], a[2], a[3], q2.x, q2.y);
             }
         }
-        // This group's scale and bias of the two positions of each n-tile's C fragment.
+        // This group's scale and bias of the two positions of each m-tile's C fragment.
 #pragma unroll
-        for (int nu = 0; nu < 4; nu++)
+        for (int mu = 0; mu < 2; mu++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int r = 8 * nu + 2 * tq + e;
+                const int r = 16 * mu + gq + 8 * e;
                 const float sc = to_f(sKS[r * NG + gi]), bi = to_f(sKB[r * NG + gi]);
-                acc_s[nu][e] += sc * qexp * c[nu][e] + bi * qsg[gi];
+                dot[mu][e] = fmaf(sc, c[mu][2 * e] + c[mu][2 * e + 1], dot[mu][e]);
+                bias[mu][e] = fmaf(bi, qsg[gi], bias[mu][e]);
             }
     }
 #pragma unroll
-    for (int nu = 0; nu < 4; nu++)
+    for (int mu = 0; mu < 2; mu++)
 #pragma unroll
         for (int e = 0; e < 2; e++)
-            sv[nu][e] = (vmask >> (8 * nu + 2 * tq + e)) & 1 ? acc_s[nu][e] : neg_inf();
+            sv[mu][e] = (vmask >> (16 * mu + gq + 8 * e)) & 1 ? fmaf(qexp, dot[mu][e], bias[mu][e])
+                                                            : neg_inf();
 }
 
-// 2. Tensor-core online softmax: head gq's 32 scores sit in lanes 4gq..4gq+3; pm[ν][e] = the
-// weight of position 8ν + 2·tq + e for head gq. This lane's own head state lives in m_w[0] /
-// l_w[0]; the V accumulators of every head are rescaled by that head's alpha.
+// 2. Tensor-core online softmax: head tq's 32 scores sit in the 8 lanes 4g + tq; pm[μ][e] = the
+// weight of position 16μ + gq + 8e for head tq. This lane's own head state lives in m_w[0] /
+// l_w[0]; the V accumulators of every head are rescaled by that head's alpha (from lane h).
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void warp_softmax_mma(
-    const float (&sv)[4][2], int gq, int tq, float (&m_w)[QG], float (&l_w)[QG],
+    const float (&sv)[2][2], int gq, int tq, float (&m_w)[QG], float (&l_w)[QG],
     float (&acc)[QShape<T, B, D, GS>::AR][8], float (&accb)[QShape<T, B, D, GS>::AR],
-    float (&cv)[QShape<T, B, D, GS>::CR][4], float& accb_c, float (&pm)[4][2]) {
+    float (&cv)[QShape<T, B, D, GS>::CR][4], float& accb_c, float (&pm)[2][2]) {
     using S = QShape<T, B, D, GS>;
     constexpr bool VMMA = S::VMMA;
     constexpr int MT = S::MT;
     const unsigned FULL = 0xffffffffu;
-    float mx = neg_inf();
-#pragma unroll
-    for (int nu = 0; nu < 4; nu++) mx = fmaxf(mx, fmaxf(sv[nu][0], sv[nu][1]));
-    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+    float mx = fmaxf(fmaxf(sv[0][0], sv[0][1]), fmaxf(sv[1][0], sv[1][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
     const float m_old = m_w[0];
     const float m_new = fmaxf(m_old, mx);
     const float alpha = m_new == neg_inf() ? 1.f : fast_exp(m_old - m_new);
     float ls = 0.f;
 #pragma unroll
-    for (int nu = 0; nu < 4; nu++)
+    for (int mu = 0; mu < 2; mu++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            pm[nu][e] = sv[nu][e] == neg_inf() ? 0.f : fast_exp(sv[nu][e] - m_new);
-            ls += pm[nu][e];
+            pm[mu][e] = sv[mu][e] == neg_inf() ? 0.f : fast_exp(sv[mu][e] - m_new);
+            ls += pm[mu][e];
         }
     m_w[0] = m_new;
     l_w[0] = l_w[0] * alpha + ls;
@@ -327,9 +315,9 @@ __device__ __forceinline__ void warp_softmax_mma(
         // Columns 2tq, 2tq+1 are heads (2tq)%4 and (2tq)%4 + 1; column gq is
         // head gq%4.
         const int h0 = (2 * tq) % 4;
-        const float a0 = __shfl_sync(FULL, alpha, 4 * h0);
-        const float a1 = __shfl_sync(FULL, alpha, 4 * (h0 + 1));
-        accb_c *= __shfl_sync(FULL, alpha, 4 * (gq % 4));
+        const float a0 = __shfl_sync(FULL, alpha, h0);
+        const float a1 = __shfl_sync(FULL, alpha, h0 + 1);
+        accb_c *= __shfl_sync(FULL, alpha, gq % 4);
 #pragma unroll
         for (int i = 0; i < MT; i++) {
             cv[i][0] *= a0;
@@ -340,7 +328,7 @@ __device__ __forceinline__ void warp_softmax_mma(
     } else {
 #pragma unroll
         for (int j = 0; j < QG; j++) {
-            const float a = __shfl_sync(FULL, alpha, 4 * j);
+            const float a = __shfl_sync(FULL, alpha, j);
             accb[j] *= a;
 #pragma unroll
             for (int k = 0; k < 8; k++) acc[j][k] *= a;
@@ -365,10 +353,10 @@ __device__ __forceinline__ void warp_prefetch(
 }
 
 // Starting state of a warp: every head's max -inf and sum 0, accumulators 0; for tensor cores
-// qsg, the sum of q over each group (for the bias term).
+// qsg, the sum of head tq's q over each group (for the bias term).
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void warp_start(
-    int gq, float (*qsum_s)[D / 32], float (&qsg)[QShape<T, B, D, GS>::NG], float (&m_w)[QG],
+    int tq, float (*qsum_s)[D / 32], float (&qsg)[QShape<T, B, D, GS>::NG], float (&m_w)[QG],
     float (&l_w)[QG], float (&acc)[QShape<T, B, D, GS>::AR][8],
     float (&accb)[QShape<T, B, D, GS>::AR], float (&cv)[QShape<T, B, D, GS>::CR][4]) {
     using S = QShape<T, B, D, GS>;
@@ -378,7 +366,7 @@ __device__ __forceinline__ void warp_start(
 #pragma unroll
         for (int gi = 0; gi < NG; gi++) {
             float s = 0.f;
-            for (int c = gi * GS / 32; c < (gi + 1) * GS / 32; c++) s += qsum_s[gq < QG ? gq : 0][c];
+            for (int c = gi * GS / 32; c < (gi + 1) * GS / 32; c++) s += qsum_s[tq][c];
             qsg[gi] = s;
         }
     }

@@ -12,10 +12,12 @@
 //      written), either
 //      - SIMT (GS = 0, any width): one lane per position loads its K row and computes q·k̂ with
 //        q in shared memory (broadcast reads), or
-//      - tensor cores (GS = group size, 4- and 8-bit): S = Q·Kᵀ per group with
-//        mma.m16n8k16 (rows = heads, columns = 8 positions, k = 16 dims). Codes are exact in
-//        f16; q is split into two f16 terms (hi + lo, ~22 bits) so the products keep f32
-//        accuracy; the group's scale and bias are applied to its partial dot products;
+//      - tensor cores (GS = group size, 4- and 8-bit): S = K·Qᵀ per group with
+//        mma.m16n8k16 (rows = 16 positions, columns = 4 heads × {hi, lo}, k = 16 dims). Codes
+//        are exact in f16; q is split into two f16 terms (hi + lo, ~22 bits) that sit in
+//        neighbouring columns, so one product keeps f32 accuracy and every lane ends with one
+//        head's scores of 4 positions; the group's scale and bias are applied to its partial
+//        dot products;
 //   2. online softmax in registers;
 //   3. V: D/8 lanes per position, 32·8/D positions per step; a lane takes the weights and the
 //      slot of its position by shuffle and accumulates 8 values for every head.
@@ -53,10 +55,9 @@ template <typename T, int B, int D, int GS> struct QShape {
     static constexpr int KST = D / 16;
     static constexpr int QWB = MMA ? GS * B / 32 : 4;  // bytes of a lane's quarter of a group
     static constexpr int WPL = MMA ? NG * QWB / 4 : 1;  // words per lane and position
-    // q fragment words per lane and k-step: hi and lo A operands with their zero rows stored
-    // (4-bit: loaded straight into the mma's operand registers), or packed hi / lo pairs (8-bit,
-    // whose 3 blocks per SM leave no shared memory for the zeros).
-    static constexpr int QAW = B == 4 ? 8 : 4;
+    // q fragment words per lane and k-step: the B operand's two registers (column n = head n/2,
+    // its hi part for even n, lo for odd).
+    static constexpr int QAW = 2;
     // Tensor-core V (groups of 64 or 128: at most two per head): C[dim][col] += codes · P' with
     // 8 columns = (group, head) and P' = weight · that group's scale, so each group's scales
     // enter through its own columns; a dim keeps the column of its own group. A lane reads

@@ -6,12 +6,12 @@
 #include "async.cuh"
 
 // 3. Tensor-core V (VMMA): two k-tiles of 16 positions: this lane's positions 2tq, 2tq+1,
-// 2tq+8, 2tq+9 of each (weights from lanes 4·(gq%4) + tq, the C layout of the scores), codes
+// 2tq+8, 2tq+9 of each (weights from lanes 8tq + gq%4 and 8tq + 4 + gq%4), codes
 // from the staged tile (sV, scales sVS, biases sVB). A masked position has weight 0, and its
 // scale and bias are taken as 0 (its staged bytes are zeros), so nothing non-finite enters.
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void warp_values_mma(
-    const float (&pm)[4][2], int gq, int tq, unsigned vmask, const unsigned char* sV, const T* sVS,
+    const float (&pm)[2][2], int gq, int tq, unsigned vmask, const unsigned char* sV, const T* sVS,
     const T* sVB, float (&cv)[QShape<T, B, D, GS>::CR][4], float& accb_c) {
     using S = QShape<T, B, D, GS>;
     constexpr int HB = S::HB, NG = S::NG, MT = S::MT, BPL = S::BPL, VW = S::VW;
@@ -26,12 +26,13 @@ __device__ __forceinline__ void warp_values_mma(
     const bool col_ok = gam < NG;
 #pragma unroll
     for (int kt = 0; kt < 2; kt++) {
-        const int src = 4 * (gq % 4) + tq;
+        // Position 16kt + g' + 8e of head h sits in lane 4g' + h (pm[kt][e]).
+        const int src0 = 4 * (2 * tq) + gq % 4, src1 = src0 + 4;
         float pw[4];
-        pw[0] = __shfl_sync(FULL, pm[2 * kt][0], src);
-        pw[1] = __shfl_sync(FULL, pm[2 * kt][1], src);
-        pw[2] = __shfl_sync(FULL, pm[2 * kt + 1][0], src);
-        pw[3] = __shfl_sync(FULL, pm[2 * kt + 1][1], src);
+        pw[0] = __shfl_sync(FULL, pm[kt][0], src0);
+        pw[1] = __shfl_sync(FULL, pm[kt][0], src1);
+        pw[2] = __shfl_sync(FULL, pm[kt][1], src0);
+        pw[3] = __shfl_sync(FULL, pm[kt][1], src1);
         uint32_t x[4][VW];
         float pp[4];
 #pragma unroll
@@ -109,7 +110,7 @@ __device__ __forceinline__ void warp_values_mma(
 // slot 0), so nothing non-finite enters.
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ void warp_values_lanes(
-    const float (&pj)[QG], const float (&pm)[4][2], int rsub, int c8, unsigned vmask,
+    const float (&pj)[QG], const float (&pm)[2][2], int rsub, int c8, unsigned vmask,
     const unsigned char* sV, const T* sVS, const T* sVB, uint32_t vrow, const unsigned char* vcb,
     const T* vs, const T* vb, uint32_t hg, int group, float (&acc)[QShape<T, B, D, GS>::AR][8],
     float (&accb)[QShape<T, B, D, GS>::AR]) {
@@ -127,14 +128,14 @@ for (int st = 0; st < 32 / RPS; st++) {
 #pragma unroll
         for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pj[j], r);
     } else {
-        // Positions 8ν + e + 2t whose weights sit in the same register of lanes
-        // 4j + t: t = t1 + (4 / RPS)·rsub.
-        constexpr int TS = 4 / RPS;
-        const int t1 = st % TS, e = (st / TS) % 2, nu = st / (2 * TS);
-        const int t = t1 + TS * rsub;
-        r = 8 * nu + e + 2 * t;
+        // Positions 16μ + 8e + g whose weights sit in the same register (pm[μ][e]) of lanes
+        // 4g + j: g = g1 + rsub.
+        constexpr int GS8 = 8 / RPS;
+        const int g1 = (st % GS8) * RPS, e = (st / GS8) % 2, mu = st / (2 * GS8);
+        const int g = g1 + rsub;
+        r = 16 * mu + 8 * e + g;
 #pragma unroll
-        for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pm[nu][e], 4 * j + t);
+        for (int j = 0; j < QG; j++) pr[j] = __shfl_sync(FULL, pm[mu][e], 4 * g + j);
     }
     if constexpr (S::DENSE) {  // 8 values of T straight from the pool; masked rows add 0
         const uint32_t sr = __shfl_sync(FULL, vrow, r);
@@ -196,12 +197,13 @@ __device__ __forceinline__ void warp_totals(
     constexpr int MT = S::MT, BPL = S::BPL, LPR = S::LPR;
     const unsigned FULL = 0xffffffffu;
     if (MMA) {
-        // Lane 4j + t holds head j's running max (the same in its 4 lanes) and a partial sum.
-        l_w[0] += __shfl_xor_sync(FULL, l_w[0], 1);
-        l_w[0] += __shfl_xor_sync(FULL, l_w[0], 2);
+        // Lane 4g + j holds head j's running max (the same in its 8 lanes) and a partial sum.
+        l_w[0] += __shfl_xor_sync(FULL, l_w[0], 4);
+        l_w[0] += __shfl_xor_sync(FULL, l_w[0], 8);
+        l_w[0] += __shfl_xor_sync(FULL, l_w[0], 16);
 #pragma unroll
         for (int j = 0; j < QG; j++) {
-            const float mj = __shfl_sync(FULL, m_w[0], 4 * j), lj = __shfl_sync(FULL, l_w[0], 4 * j);
+            const float mj = __shfl_sync(FULL, m_w[0], j), lj = __shfl_sync(FULL, l_w[0], j);
             if (lane == 0) {
                 wm_s[warp][j] = mj;
                 wl_s[warp][j] = lj;

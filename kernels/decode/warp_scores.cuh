@@ -6,7 +6,7 @@
 #include "async.cuh"
 
 // Prologue: the chunk's QG query heads into q_s (scaled, rotated for the rotated scheme; absent
-// heads 0), their per-chunk sums into qsum_s, and for tensor cores their f16 hi + lo A fragments
+// heads 0), their per-chunk sums into qsum_s, and for tensor cores their f16 hi + lo B fragments
 // into qa_s. Returns the power of two the fragments were divided by (1 for SIMT).
 template <typename T, int B, int D, int GS>
 __device__ __forceinline__ float warp_load_q(

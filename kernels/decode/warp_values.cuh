@@ -130,8 +130,8 @@ for (int st = 0; st < 32 / RPS; st++) {
     } else {
         // Positions 16μ + 8e + g whose weights sit in the same register (pm[μ][e]) of lanes
         // 4g + j: g = g1 + rsub.
-        constexpr int GS8 = 8 / RPS;
-        const int g1 = (st % GS8) * RPS, e = (st / GS8) % 2, mu = st / (2 * GS8);
+        constexpr int STEPS8 = 8 / RPS;  // steps per 8 rows (one e of one m-tile)
+        const int g1 = (st % STEPS8) * RPS, e = (st / STEPS8) % 2, mu = st / (2 * STEPS8);
         const int g = g1 + rsub;
         r = 16 * mu + 8 * e + g;
 #pragma unroll

@@ -332,6 +332,17 @@ pub(super) unsafe fn nibbles(x: __m256i) -> (__m256i, __m256i) {
     )
 }
 
+/// [`nibbles`] on 512 bits (AVX-512 BW).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn nibbles512(x: __m512i) -> (__m512i, __m512i) {
+    let m = _mm512_set1_epi8(0x0F);
+    (
+        _mm512_and_si512(x, m),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(x), m),
+    )
+}
+
 /// `acc` plus the dot products of code nibbles `(lo, hi)` with the 64 query bytes at `qb`
 /// (32 for the low nibbles, then 32 for the high).
 #[cfg(target_arch = "x86_64")]

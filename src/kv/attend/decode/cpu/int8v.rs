@@ -24,7 +24,7 @@
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 #[cfg(target_arch = "x86_64")]
-use super::int8::{nibbles, Dot};
+use super::int8::{nibbles, nibbles512, Dot};
 #[cfg(target_arch = "x86_64")]
 use super::rows::{Params, Rows};
 #[cfg(target_arch = "x86_64")]
@@ -355,13 +355,6 @@ unsafe fn block_wide<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
     let n = rows.len();
     let mut acc = [[_mm512_setzero_si512(); 4]; NJ];
     let w = s.w.as_ptr();
-    let m = _mm512_set1_epi8(0x0F);
-    let nib = |x: __m512i| {
-        (
-            _mm512_and_si512(x, m),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(x), m),
-        )
-    };
     let mut t = 0;
     while t < n {
         let x: [__m512i; 4] = std::array::from_fn(|r| {
@@ -379,8 +372,8 @@ unsafe fn block_wide<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
                 _mm512_unpackhi_epi8(x[2], x[3]),
             )
         };
-        let (l0, h0) = nib(_mm512_unpacklo_epi16(a, b));
-        let (l1, h1) = nib(_mm512_unpackhi_epi16(a, b));
+        let (l0, h0) = nibbles512(_mm512_unpacklo_epi16(a, b));
+        let (l1, h1) = nibbles512(_mm512_unpackhi_epi16(a, b));
         for j in 0..NJ {
             // Group 0's weights in the low half, group 1's (MAX_TILE bytes on) in the high.
             let wp = w.add((j0 + j) * 2 * MAX_TILE + t) as *const i32;

@@ -1,7 +1,8 @@
 """Leading greedy tokens equal to the dense cache's, per reference prompt, for KV settings.
 
 Run from the repository root after `cargo build --release`:
-    python3 scripts/greedy_match.py
+    python3 scripts/greedy_match.py [SETTING ...]
+(all settings below, or only those named).
 Each setting runs `kvq generate --temp 0 --dtype f32 --dequantize --max-tokens 48 --json` on the
 12 prompts of ../shared/reference/smollm2-greedy.jsonl and counts how many leading generated ids
 equal the dense cache's (near-ties flip under quantization; this measures it, nothing is asserted).
@@ -16,7 +17,16 @@ settings = {
     "k6v4": ["--kv-key-bits", "6", "--kv-value-bits", "4"],
     "split4.5": ["--kv-bits", "4.5"],
     "split3.5": ["--kv-bits", "3.5"],
+    "split3.5+r64": ["--kv-bits", "3.5", "--kv-residual", "64"],
+    "split3.5+r60s4": ["--kv-bits", "3.5", "--kv-residual", "60", "--kv-sinks", "4"],
+    "rotated4+r32": ["--kv-bits", "4", "--kv-residual", "32"],
 }
+import sys
+if sys.argv[1:]:
+    unknown = [a for a in sys.argv[1:] if a not in settings]
+    if unknown:
+        sys.exit(f"unknown settings {unknown}; known: {list(settings)}")
+    settings = {k: settings[k] for k in sys.argv[1:]}
 def run(case, extra, tmp):
     args = [KVQ, "generate", "--temp", "0", "--dtype", "f32", "--dequantize", "--max-tokens", "48", "--json"]
     if case.get("chat_template"):

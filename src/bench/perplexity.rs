@@ -199,7 +199,7 @@ pub fn evaluate(
         .iter()
         .zip(accs)
         .enumerate()
-        .map(|(i, (s, a))| report(s, a, i > 0))
+        .map(|(i, (s, a))| report(s, a, i > 0, opts.ctx))
         .collect())
 }
 
@@ -272,7 +272,8 @@ impl RowStats {
     }
 }
 
-fn report(s: &Setting, a: Acc, compared: bool) -> Report {
+/// `ctx`: tokens per window, over which a dense residual window's bytes are spread.
+fn report(s: &Setting, a: Acc, compared: bool, ctx: usize) -> Report {
     let n = a.nll.len();
     let mean = a.nll.iter().sum::<f64>() / n as f64;
     let var = a.nll.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n.max(2) - 1) as f64;
@@ -300,12 +301,15 @@ fn report(s: &Setting, a: Acc, compared: bool) -> Report {
             .iter()
             .map(|f| f.kv_row_bytes(w) as f64 * 4.0 / w as f64)
             .sum();
-        bits / s.config.formats.len() as f64
+        // The residual window's dense copies, held beside the quantized rows of every
+        // position, averaged over a window's tokens.
+        let residual = s.config.residual_bytes() as f64 * 8.0 / (2 * w * ctx.max(1)) as f64;
+        (bits + residual) / s.config.formats.len().max(1) as f64
     };
     Report {
         label: s.label.clone(),
         bits_per_value: bpv,
-        kv_bytes_per_token: s.config.bytes_per_token(),
+        kv_bytes_per_token: s.config.bytes_per_token() + s.config.residual_bytes() / ctx.max(1),
         tokens: n,
         ppl,
         ppl_err: ppl * (var / n as f64).sqrt(),
@@ -358,7 +362,7 @@ mod tests {
             dp_sum: -0.02,
             same: 3,
         };
-        let r = report(&s, a, true);
+        let r = report(&s, a, true, 4);
         assert!((r.ppl - 2f64.exp()).abs() < 1e-9);
         // var = 2, n = 2: err = ppl * sqrt(2 / 2).
         assert!((r.ppl_err - r.ppl).abs() < 1e-9);

@@ -52,10 +52,11 @@ pub struct PerplexityArgs {
     pub chunk: usize,
 
     /// KV settings to compare, comma-separated, the reference first: `f32`, `f16`, `bf16` (a
-    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG][:exact], BITS being one width,
-    /// an average as --kv-bits takes it (`3.5` = 4-bit K / 3-bit V) or KEY/VALUE widths (e.g.
-    /// `4`, `4:affine`, `3:g32`, `6/4`; scheme and group default to --kv-quant-scheme /
-    /// --kv-group-size; `:exact` attends as --exact-attention does).
+    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG][:rN][:sS][:exact], BITS being
+    /// one width, an average as --kv-bits takes it (`3.5` = 4-bit K / 3-bit V) or KEY/VALUE
+    /// widths (e.g. `4`, `4:affine`, `3:g32`, `6/4`, `3.5:r60:s4`; scheme, group, `rN`
+    /// (--kv-residual N) and `sS` (--kv-sinks S) default to their flags; `:exact` attends as
+    /// --exact-attention does). Bits per value count a residual window's dense rows over --ctx.
     /// Divergences are measured against the first entry; if it is not dense, a dense cache in
     /// the compute dtype is added in front (unless --quantized-reference). Without --compare: the
     /// dense cache and the setting given by --kv-bits (and the other KV flags).
@@ -97,6 +98,10 @@ enum Spec {
         group: Option<usize>,
         /// Keys scored exactly on the CPU (`:exact`).
         exact: bool,
+        /// Dense residual window (`:rN`; `None`: --kv-residual).
+        residual: Option<usize>,
+        /// Dense sinks (`:sS`; `None`: --kv-sinks).
+        sinks: Option<usize>,
     },
 }
 
@@ -107,8 +112,9 @@ fn parse_specs(list: &str) -> Result<Vec<Spec>> {
             parse_spec(item).with_context(|| {
                 format!(
                     "--compare: '{item}' is not a KV setting (allowed: f32, f16, bf16, or \
-                     BITS[:affine|:rotated][:gG][:exact] with BITS one of 2,3,4,5,6,8, an \
-                     average 2.5-5.5 or KEY/VALUE bits)"
+                     BITS[:affine|:rotated][:gG][:rN][:sS][:exact] with BITS one of \
+                     2,3,4,5,6,8, an average 2.5-5.5 or KEY/VALUE bits, N the --kv-residual \
+                     window, S the --kv-sinks)"
                 )
             })
         })
@@ -127,6 +133,7 @@ fn parse_spec(item: &str) -> Result<Spec> {
     let w = KvWidths::parse_pair(width).map_err(anyhow::Error::msg)?;
     let bits = (w.key, w.value);
     let (mut scheme, mut group, mut exact) = (None, None, false);
+    let (mut residual, mut sinks) = (None, None);
     for p in parts {
         match p {
             "exact" if !exact => exact = true,
@@ -134,6 +141,12 @@ fn parse_spec(item: &str) -> Result<Spec> {
             "rotated" if scheme.is_none() => scheme = Some(QuantScheme::Rotated),
             g if g.starts_with('g') && group.is_none() => {
                 group = Some(g.get(1..).unwrap_or_default().parse()?)
+            }
+            r if r.starts_with('r') && residual.is_none() => {
+                residual = Some(r.get(1..).unwrap_or_default().parse()?)
+            }
+            s if s.starts_with('s') && sinks.is_none() => {
+                sinks = Some(s.get(1..).unwrap_or_default().parse()?)
             }
             other => bail!("unexpected '{other}'"),
         }
@@ -147,6 +160,8 @@ fn parse_spec(item: &str) -> Result<Spec> {
         scheme,
         group,
         exact,
+        residual,
+        sinks,
     })
 }
 
@@ -162,6 +177,8 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             kv.scheme = None;
             kv.dense_layers = None;
             kv.quantized_kv_start = 0;
+            kv.residual = 0;
+            kv.sinks = 0;
             let mut cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing)?;
             for f in cfg.formats.iter_mut() {
                 *f = crate::kv::format::KvFormat::Dense(*dt);
@@ -177,8 +194,16 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             scheme,
             group,
             exact,
+            residual,
+            sinks,
         } => {
             kv.bits = None;
+            if let Some(r) = residual {
+                kv.residual = *r;
+            }
+            if let Some(s) = sinks {
+                kv.sinks = *s;
+            }
             kv.key_bits = Some(bits.0);
             kv.value_bits = Some(bits.1);
             if group.is_some() {
@@ -197,6 +222,12 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             let mut label = format!("{width}-bit g{group} {}", scheme.name());
             if kv.dense_layers.is_some() || kv.quantized_kv_start > 0 {
                 label += " (+dense parts)";
+            }
+            if kv.residual > 0 {
+                label += &format!(" + {} dense", kv.residual);
+            }
+            if kv.sinks > 0 {
+                label += &format!(" + {} sinks", kv.sinks);
             }
             // Where the CPU kernel would round the query (and weights) to 8 bits for these
             // formats, say which way this row attended.
@@ -258,6 +289,8 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
                     scheme: None,
                     group: None,
                     exact: false,
+                    residual: None,
+                    sinks: None,
                 });
             }
             v
@@ -423,7 +456,9 @@ mod tests {
                 bits: (8, 8),
                 scheme: None,
                 group: None,
-                exact: false
+                exact: false,
+                residual: None,
+                sinks: None
             }
         );
         assert_eq!(
@@ -432,7 +467,9 @@ mod tests {
                 bits: (3, 3),
                 scheme: Some(QuantScheme::Rotated),
                 group: Some(32),
-                exact: false
+                exact: false,
+                residual: None,
+                sinks: None
             }
         );
         assert_eq!(
@@ -441,7 +478,9 @@ mod tests {
                 bits: (4, 4),
                 scheme: None,
                 group: Some(32),
-                exact: false
+                exact: false,
+                residual: None,
+                sinks: None
             }
         );
         assert_eq!(
@@ -450,7 +489,9 @@ mod tests {
                 bits: (6, 4),
                 scheme: None,
                 group: None,
-                exact: false
+                exact: false,
+                residual: None,
+                sinks: None
             }
         );
         assert_eq!(
@@ -459,7 +500,9 @@ mod tests {
                 bits: (4, 3),
                 scheme: None,
                 group: Some(32),
-                exact: false
+                exact: false,
+                residual: None,
+                sinks: None
             }
         );
         assert_eq!(
@@ -468,7 +511,31 @@ mod tests {
                 bits: (4, 4),
                 scheme: Some(QuantScheme::Rotated),
                 group: None,
-                exact: true
+                exact: true,
+                residual: None,
+                sinks: None
+            }
+        );
+        assert_eq!(
+            parse_specs("3.5:r60:s4").unwrap()[0],
+            Spec::Quant {
+                bits: (4, 3),
+                scheme: None,
+                group: None,
+                exact: false,
+                residual: Some(60),
+                sinks: Some(4)
+            }
+        );
+        assert_eq!(
+            parse_specs("3.5:r64").unwrap()[0],
+            Spec::Quant {
+                bits: (4, 3),
+                scheme: None,
+                group: None,
+                exact: false,
+                residual: Some(64),
+                sinks: None
             }
         );
         for bad in [
@@ -477,6 +544,10 @@ mod tests {
             "6.5",
             "3.25",
             "4:fast",
+            "4:r",
+            "4:r64:r64",
+            "4:r60:s4:s4",
+            "4:s",
             "4:g",
             "f8",
             "",

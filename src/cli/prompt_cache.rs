@@ -44,6 +44,14 @@ impl CacheFiles {
         model: &ModelIdentity,
         cfg: &CacheConfig,
     ) -> Result<CachedPrefix> {
+        if cfg.residual > 0 {
+            bail!(
+                "--prompt-cache cannot start a run with --kv-residual {}: the file holds the \
+                 quantized rows only, so the newest of them would attend quantized instead of \
+                 dense (--save-prompt-cache works; start from the file without --kv-residual)",
+                cfg.residual
+            );
+        }
         let file = match self.open.get(path) {
             Some(f) => f.clone(),
             None => {

@@ -1,4 +1,5 @@
-//! Greedy batched generation with a quantized KV cache (`--kv-bits 8` and `4`) against each
+//! Greedy batched generation with a quantized KV cache (`--kv-bits 8` and `4`, and `4` with a
+//! dense residual window and sinks: `--kv-residual 8 --kv-sinks 2`) against each
 //! request alone with the same cache setting (a max-batch-1 engine, what `kvq generate` runs):
 //! max batch 8 with prefill chunks of 32, so prompt chunks and other requests' decode steps share
 //! forward passes and requests join and leave mid-run.
@@ -30,7 +31,10 @@ use std::collections::HashMap;
 
 const NEW_TOKENS: usize = 12;
 
-fn quant_cache(m: &LoadedModel, bits: u32, blocks: usize) -> PagedKvCache {
+/// A cache setting: bits, `--kv-residual`, `--kv-sinks`.
+type Kv = (u32, usize, usize);
+
+fn quant_cache(m: &LoadedModel, (bits, residual, sinks): Kv, blocks: usize) -> PagedKvCache {
     let c = m.model.config();
     let mut cfg = CacheConfig::dense(
         c.num_layers,
@@ -44,6 +48,8 @@ fn quant_cache(m: &LoadedModel, bits: u32, blocks: usize) -> PagedKvCache {
         KvFormat::affine(QuantFormat::new(bits, 64).unwrap(), DType::F32, false);
         c.num_layers
     ];
+    cfg.residual = residual;
+    cfg.sinks = sinks;
     PagedKvCache::new(cfg, &Device::Cpu).unwrap()
 }
 
@@ -77,13 +83,13 @@ struct RunOut {
 /// Runs `prompts` through one engine; returns each one's tokens and stored prompt rows.
 fn run(
     m: &LoadedModel,
-    bits: u32,
+    kv: Kv,
     prompts: &[Vec<u32>],
     cfg: EngineConfig,
     blocks: usize,
 ) -> Vec<RunOut> {
     let max_batch = cfg.max_batch;
-    let mut engine = Engine::new(&m.model, quant_cache(m, bits, blocks), cfg).unwrap();
+    let mut engine = Engine::new(&m.model, quant_cache(m, kv, blocks), cfg).unwrap();
     let eos = m.tokenizer.eos_token_ids().to_vec();
     let mut ids = Vec::new();
     for p in prompts {
@@ -124,8 +130,8 @@ fn run(
 }
 
 /// Top-1 minus top-2 logit after `prefix`, computed alone with the same cache setting.
-fn margin_after(m: &LoadedModel, bits: u32, prefix: &[u32]) -> f32 {
-    let mut cache = quant_cache(m, bits, prefix.len().div_ceil(16) + 1);
+fn margin_after(m: &LoadedModel, kv: Kv, prefix: &[u32]) -> f32 {
+    let mut cache = quant_cache(m, kv, prefix.len().div_ceil(16) + 1);
     cache.add_sequence(0).unwrap();
     cache.reserve(0, prefix.len()).unwrap();
     let inp = [SeqInput {
@@ -169,10 +175,10 @@ fn quantized_batched_greedy_equals_alone() {
     m.model.set_batch_invariant(true);
     let prompts = prompts();
     assert_eq!(prompts.len(), 42);
-    for bits in [8, 4] {
+    for kv in [(8, 0, 0), (4, 0, 0), (4, 8, 2)] {
         let batched = run(
             &m,
-            bits,
+            kv,
             &prompts,
             EngineConfig {
                 max_batch: 8,
@@ -187,7 +193,7 @@ fn quantized_batched_greedy_equals_alone() {
                 let blocks = (p.len() + NEW_TOKENS).div_ceil(16) + 1;
                 run(
                     &m,
-                    bits,
+                    kv,
                     std::slice::from_ref(p),
                     EngineConfig::default(),
                     blocks,
@@ -215,20 +221,20 @@ fn quantized_batched_greedy_equals_alone() {
                 .unwrap_or(a.tokens.len().min(b.tokens.len()));
             let mut prefix = p.clone();
             prefix.extend(&a.tokens[..d]);
-            let margin = margin_after(&m, bits, &prefix);
-            eprintln!("{bits}-bit: prompt {i}: first difference at step {d}, margin {margin:e}");
+            let margin = margin_after(&m, kv, &prefix);
+            eprintln!("{kv:?}: prompt {i}: first difference at step {d}, margin {margin:e}");
         }
         let n = prompts.len();
         eprintln!(
-            "{bits}-bit: batched = alone in full for {same}/{n}; prompts whose stored K/V are \
+            "{kv:?}: batched = alone in full for {same}/{n}; prompts whose stored K/V are \
              bit-identical batched and alone, per layer: {layer_same:?}"
         );
         assert_eq!(
             layer_same,
             vec![n; layers],
-            "{bits}-bit: stored K/V depend on the batch"
+            "{kv:?}: stored K/V depend on the batch"
         );
-        assert_eq!(same, n, "{bits}-bit: only {same}/{n} identical");
+        assert_eq!(same, n, "{kv:?}: only {same}/{n} identical");
         for (i, p) in prompts.iter().enumerate() {
             for (j, q) in prompts.iter().enumerate().skip(i + 1) {
                 if p == q {

@@ -192,3 +192,35 @@ fn eight_bit_queries_against_the_exact_kernel() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("--compare"), "{}", stderr(&out));
 }
+
+/// `--kv-residual` (here `:r32` on one row): the newest 32 positions of every query attend dense,
+/// which must cut 4-bit's divergence at least in half on real text, and the row's bits per value
+/// count the dense copies: 32 f16 rows spread over a 256-token window add 32 · 16 / 256 = 2 bits.
+#[test]
+fn a_residual_window_cuts_divergence_and_is_counted_in_bits() {
+    let v = run_json(&[
+        "--ctx",
+        "256",
+        "--max-tokens",
+        "512",
+        "--compare",
+        "f32,4,4:r32",
+    ]);
+    let s = v["settings"].as_array().unwrap();
+    let kl = |i: usize| f(&s[i]["vs_reference"]["kl_mean"]);
+    assert!(
+        kl(2) > 0.0 && kl(2) < 0.5 * kl(1),
+        "r32 {} vs {}",
+        kl(2),
+        kl(1)
+    );
+    let top1 = |i: usize| f(&s[i]["vs_reference"]["same_top1_pct"]);
+    assert!(top1(2) > top1(1), "{} vs {}", top1(2), top1(1));
+    assert_eq!(f(&s[1]["bits_per_value"]), 4.5);
+    assert_eq!(f(&s[2]["bits_per_value"]), 6.5);
+    assert!(
+        s[2]["label"].as_str().unwrap().contains("+ 32 dense"),
+        "{}",
+        s[2]["label"]
+    );
+}

@@ -405,3 +405,21 @@ fn the_same_prompt_is_saved_as_the_same_bytes_by_every_run() {
         assert!(a == b, "{kv:?}: two saves of one prompt differ");
     }
 }
+
+/// A prompt file can be saved under `--kv-residual` (its rows are the quantized ones, computed
+/// with the residual window), but starting a run from one under `--kv-residual` is refused: the
+/// file has no dense copies, so its newest rows would attend quantized, unlike a fresh run's.
+#[test]
+fn kv_residual_saves_a_prompt_file_and_refuses_to_start_from_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let with = ["--kv-bits", "4", "--kv-residual", "16"];
+    let (res, saved) = save(dir.path(), "res.safetensors", SHORT, &with);
+    assert!(!saved.is_empty());
+    let mut args = with.to_vec();
+    args.extend(["--prompt-cache", res.to_str().unwrap()]);
+    let e = generate_err(LONG, &args);
+    assert!(
+        e.contains("--prompt-cache cannot start a run with --kv-residual 16"),
+        "{e}"
+    );
+}

@@ -429,6 +429,48 @@ fn out_of_range_values_are_refused_with_the_allowed_range() {
 }
 
 #[test]
+fn kv_residual_is_refused_where_it_cannot_apply() {
+    for (extra, needle) in [
+        (
+            &["--kv-residual", "8"][..],
+            "--kv-residual only applies to a quantized cache: add --kv-bits",
+        ),
+        (
+            &["--kv-bits", "4", "--kv-residual", "5000"][..],
+            "--kv-residual must be between 0 and 4096 (got 5000)",
+        ),
+        (
+            &[
+                "--kv-bits",
+                "4",
+                "--kv-residual",
+                "8",
+                "--quantized-kv-start",
+                "4",
+            ][..],
+            "--kv-residual cannot be combined with --quantized-kv-start",
+        ),
+        (
+            &["--kv-bits", "4", "--kv-sinks", "4"][..],
+            "--kv-sinks needs --kv-residual (at least 1)",
+        ),
+        (
+            &["--kv-bits", "4", "--kv-residual", "8", "--kv-sinks", "300"][..],
+            "--kv-sinks must be between 0 and 256 (got 300)",
+        ),
+        (
+            &["--kv-sinks", "4"][..],
+            "--kv-sinks only applies to a quantized cache",
+        ),
+    ] {
+        let mut args = vec!["generate", "--max-tokens", "2"];
+        args.extend_from_slice(extra);
+        args.push("hi");
+        fails_with(&args, needle);
+    }
+}
+
+#[test]
 fn a_tokenizer_of_another_vocabulary_is_refused() {
     let tok = fixture("hub/tiny-llama/tokenizer.json");
     fails_with(

@@ -11,6 +11,7 @@ pub mod dense;
 #[cfg(feature = "cuda")]
 pub mod fixed;
 pub mod plan;
+mod residual;
 
 pub use decode::{decode_attention, decode_attention_rotated};
 pub use dense::attend_one;
@@ -54,15 +55,19 @@ pub fn paged_attention(
             lens: &g.lens,
             host: Some(&t.host),
         };
-        let o = decode::decode_attention_step(
-            &qg,
-            cache.layer_storage(layer, g.main),
-            &step,
-            cfg.block_size,
-            cfg.num_kv_heads,
-            scale as f32,
-            rot,
-        )?;
+        let o = if g.main && cache.residual(layer) > 0 {
+            residual::attend(&qg, cache, layer, g, t, batch, scale as f32)?
+        } else {
+            decode::decode_attention_step(
+                &qg,
+                cache.layer_storage(layer, g.main),
+                &step,
+                cfg.block_size,
+                cfg.num_kv_heads,
+                scale as f32,
+                rot,
+            )?
+        };
         if g.members.len() == batch.len() {
             return Ok(o); // every sequence is in this group, in batch order
         }
@@ -89,6 +94,20 @@ pub fn paged_attention(
                 t
             }
         };
+        let in_main = cache
+            .in_main_pool(s.seq)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        if in_main && cache.residual(layer) > 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "layer {layer}: --kv-residual attends through the CPU's decode kernel, which \
+                 this {} does not use; run without --kv-residual",
+                if softcap.is_some() {
+                    "model (attention logit soft-capping)"
+                } else {
+                    "prompt chunk"
+                }
+            )));
+        }
         let (k, v) = cache
             .gather(layer, s.seq, &slots, q.dtype())
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;

@@ -62,6 +62,11 @@ pub struct KvOptions {
     pub scheme: Option<QuantScheme>,
     /// dtype of dense pools (a dense cache, dense layers, staging); `None`: the compute dtype.
     pub dense_dtype: Option<DType>,
+    /// `--kv-residual`: each query attends its newest this-many positions through dense (f16)
+    /// copies of their rows instead of the quantized ones (0: off).
+    pub residual: usize,
+    /// `--kv-sinks`: the first this-many positions of a sequence too (needs `residual`).
+    pub sinks: usize,
 }
 
 impl Default for KvOptions {
@@ -77,9 +82,16 @@ impl Default for KvOptions {
             block_size: 16,
             scheme: None,
             dense_dtype: None,
+            residual: 0,
+            sinks: 0,
         }
     }
 }
+
+/// Most positions `--kv-residual` keeps dense.
+pub const MAX_RESIDUAL: usize = 4096;
+/// Most positions `--kv-sinks` keeps dense.
+pub const MAX_SINKS: usize = 256;
 
 /// The model dimensions a cache is shaped by.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,6 +145,8 @@ impl KvOptions {
                 (self.quantized_kv_start > 0, "--quantized-kv-start"),
                 (self.dense_layers.is_some(), "--kv-dense-layers"),
                 (self.scheme.is_some(), "--kv-quant-scheme"),
+                (self.residual > 0, "--kv-residual"),
+                (self.sinks > 0, "--kv-sinks"),
             ] {
                 if set {
                     return fail(format!(
@@ -144,6 +158,27 @@ impl KvOptions {
         self.quant_formats()?;
         if self.max_kv_size == Some(0) {
             return fail("--max-kv-size must be at least 1");
+        }
+        if self.residual > MAX_RESIDUAL {
+            return fail(format!(
+                "--kv-residual must be between 0 and {MAX_RESIDUAL} (got {})",
+                self.residual
+            ));
+        }
+        if self.sinks > MAX_SINKS {
+            return fail(format!(
+                "--kv-sinks must be between 0 and {MAX_SINKS} (got {})",
+                self.sinks
+            ));
+        }
+        if self.sinks > 0 && self.residual == 0 {
+            return fail("--kv-sinks needs --kv-residual (at least 1)");
+        }
+        if self.residual > 0 && self.quantized_kv_start > 0 {
+            return fail(
+                "--kv-residual cannot be combined with --quantized-kv-start (a staged sequence \
+                 is dense already; its rows would have no dense copies once moved)",
+            );
         }
         Ok(())
     }
@@ -276,6 +311,8 @@ impl KvOptions {
             }
         }
         cfg.window = self.max_kv_size;
+        cfg.residual = self.residual;
+        cfg.sinks = self.sinks;
         cfg.layer_windows = layer_windows;
         cfg.max_seq_len = Some(max_positions);
         cfg.size_pools(sizing);
@@ -314,6 +351,13 @@ pub struct CacheConfig {
     /// Most positions one sequence can hold (the model's context window), if known: staging
     /// past it is never used.
     pub max_seq_len: Option<usize>,
+    /// Newest positions each query of a quantized layer attends through dense f16 copies of
+    /// their rows (`--kv-residual`; 0: none). The quantized rows are written as always; the
+    /// copies are kept per sequence beside the pools (`kv::cache::residual`).
+    pub residual: usize,
+    /// First positions of each sequence every query attends through dense copies
+    /// (`--kv-sinks`, attention sinks; only with `residual`).
+    pub sinks: usize,
 }
 
 impl CacheConfig {
@@ -337,6 +381,8 @@ impl CacheConfig {
             window: None,
             layer_windows: Vec::new(),
             max_seq_len: None,
+            residual: 0,
+            sinks: 0,
         }
     }
 
@@ -366,6 +412,18 @@ impl CacheConfig {
     pub fn bytes_per_token(&self) -> usize {
         let w = self.width();
         self.formats.iter().map(|f| f.kv_row_bytes(w)).sum()
+    }
+
+    /// Bytes of one sequence's dense residual copies (`--kv-residual`) over all quantized
+    /// layers, K and V: the newest `residual` rows and the first `sinks` at 2 bytes a value (a
+    /// prompt chunk's own rows come on top while it is attended).
+    pub fn residual_bytes(&self) -> usize {
+        let layers = self
+            .formats
+            .iter()
+            .filter(|f| matches!(f, KvFormat::Affine { .. }))
+            .count();
+        (self.residual + self.sinks) * layers * 2 * self.width() * 2
     }
 
     /// Bytes one token occupies in the staging pool.

@@ -31,6 +31,7 @@ pub mod groups;
 mod pools;
 pub mod prefix;
 pub mod prompt_file;
+pub mod residual;
 mod reuse;
 mod staging;
 mod usage;
@@ -109,6 +110,8 @@ pub struct PagedKvCache {
     /// The slots of the last write per group, per pool written: every layer of a group writes
     /// the same ones in a step, so they are uploaded to the device once per step and group.
     last_slots: Mutex<Vec<Vec<Arc<SlotRows>>>>,
+    /// `--kv-residual`: dense copies of each sequence's newest rows per quantized layer.
+    tails: residual::Tails,
 }
 
 impl PagedKvCache {
@@ -120,6 +123,13 @@ impl PagedKvCache {
                 cfg.num_layers
             ))
             .into());
+        }
+        if cfg.residual > 0 && !device.is_cpu() {
+            return Err(CacheError::Rows(
+                "--kv-residual runs on the CPU only (its merge with the quantized part is part \
+                 of the CPU decode kernel's call); run without it on a GPU"
+                    .into(),
+            ));
         }
         let rotation = if cfg.formats.iter().any(KvFormat::is_rotated) {
             Rotation::check(cfg.head_dim).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -164,6 +174,7 @@ impl PagedKvCache {
             seqs: HashMap::new(),
             peak_bytes: 0,
             rotation,
+            tails: residual::Tails::default(),
         })
     }
 
@@ -207,6 +218,7 @@ impl PagedKvCache {
 
     /// Drops a sequence and returns its blocks to their pools at once.
     pub fn remove_sequence(&mut self, id: SeqId) {
+        self.tails.remove(id);
         if let Some(s) = self.seqs.remove(&id) {
             for (g, table) in self.groups.iter_mut().zip(s.tables) {
                 g.give_back(s.pool, table.into_iter().flatten().collect());
@@ -359,6 +371,28 @@ impl PagedKvCache {
         // kernel does both); staging keeps them as they are.
         let rot = self.rotation(layer, true);
         let (g, at) = self.layer_place(layer)?;
+        let keep = self.residual(layer);
+        if keep > 0 {
+            let w = self.cfg.width();
+            let (kf, vf) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+            let (kf, vf) = (
+                kf.flatten_all()?.to_vec1::<f32>()?,
+                vf.flatten_all()?.to_vec1::<f32>()?,
+            );
+            for &(id, start, offset, n) in spans {
+                let rows = offset * w..(offset + n) * w;
+                let (Some(kr), Some(vr)) = (kf.get(rows.clone()), vf.get(rows)) else {
+                    return Err(candle_core::Error::Msg(format!(
+                        "write: rows {offset}..{} of a batch of {} rows",
+                        offset + n,
+                        kf.len() / w.max(1)
+                    ))
+                    .into());
+                };
+                self.tails
+                    .push(id, layer, start, (kr, vr), w, keep, self.cfg.sinks);
+            }
+        }
         // Per pool: which rows of k/v go to which slots, so each pool takes one write per
         // layer (one fused launch per tensor on CUDA) instead of one per sequence and block.
         let bs = self.cfg.block_size;
@@ -456,6 +490,12 @@ impl PagedKvCache {
             .into());
         }
         s.len += n;
+        if self.cfg.residual > 0 {
+            // The next query is at position len: it sees the dense copies of positions
+            // > len - residual; a prompt chunk's other rows go.
+            let from = (s.len + 1).saturating_sub(self.cfg.residual);
+            self.tails.trim(id, from, self.cfg.width());
+        }
         if s.len <= s.keep {
             return Ok(()); // its history is kept whole until it is exported
         }
@@ -488,6 +528,25 @@ impl PagedKvCache {
         let shape = (n, self.cfg.num_kv_heads, self.cfg.head_dim);
         let (k, v) = self.groups[g].pool(s.pool).layers[at].gather(slots, dtype)?;
         Ok((k.reshape(shape)?, v.reshape(shape)?))
+    }
+
+    /// Positions each query of `layer` attends through dense copies (`--kv-residual`): the
+    /// setting on quantized layers, 0 on dense ones.
+    pub fn residual(&self, layer: usize) -> usize {
+        match self.cfg.formats.get(layer) {
+            Some(KvFormat::Affine { .. }) => self.cfg.residual,
+            _ => 0,
+        }
+    }
+
+    /// Calls `f` with the dense copies of `id`'s newest rows in `layer` (`None`: none kept).
+    pub fn with_residual<R>(
+        &self,
+        id: SeqId,
+        layer: usize,
+        f: impl FnOnce(Option<&residual::Tail>) -> R,
+    ) -> R {
+        self.tails.with(id, layer, f)
     }
 
     /// Whether `id` lives in the main pools (else in dense staging).

@@ -26,6 +26,13 @@ impl PagedKvCache {
     /// reused only where every group holds what the next token can see. Not available with a
     /// staging pool, whose blocks do not keep a prompt's rows.
     pub fn enable_prefix_cache(&mut self) -> Result<()> {
+        if self.cfg.residual > 0 {
+            return Err(CacheError::Rows(
+                "prefix reuse shares quantized blocks, but --kv-residual keeps each sequence's \
+                 newest rows dense beside them: it cannot be combined with --kv-residual"
+                    .into(),
+            ));
+        }
         if self.cfg.staging.is_some() {
             return Err(CacheError::Rows(
                 "prefix reuse needs whole histories in the main pool: it cannot be combined \

@@ -102,7 +102,8 @@ thread_local! {
     static SCRATCH: RefCell<(Scratch, Vec<u32>)> = RefCell::default();
 }
 
-/// Runs every task of `plan` and merges the partial states into `[B, H, D]`.
+/// Runs every task of `plan` and merges the partial states into `[B, H, D]`, with each query
+/// head's log-sum-exp of its (scaled) scores, `[B, H]` (−∞ where a sequence has no positions).
 /// `views(kh)` gives the K and V rows of KV head `kh`; `qi` the 8-bit queries where `keys`
 /// asks for them.
 #[allow(clippy::too_many_arguments)]
@@ -115,7 +116,7 @@ fn run<K: AnyRows, V: AnyRows, L: Launch>(
     group: usize,
     isa: Isa,
     views: impl Fn(usize) -> (K, V),
-) -> Vec<f32> {
+) -> Out {
     let (g, hd) = (d.group, d.head_dim);
     let sh = Shape {
         g,
@@ -144,7 +145,8 @@ fn run<K: AnyRows, V: AnyRows, L: Launch>(
         })
     });
     let mut out = vec![0f32; d.batch * d.heads * hd];
-    let merge_one = |i: usize, o: &mut [f32]| {
+    let mut lse = vec![0f32; d.batch * d.heads];
+    let merge_one = |i: usize, o: &mut [f32], l: &mut [f32]| {
         merge(
             plan,
             &parts,
@@ -155,22 +157,36 @@ fn run<K: AnyRows, V: AnyRows, L: Launch>(
             i / d.kv_heads,
             i % d.kv_heads,
             o,
+            l,
         )
     };
     // A merge is a few hundred operations per (sequence, KV head): in parallel only where
     // there are many.
     if d.batch * d.kv_heads < MERGE_PAR {
-        for (i, o) in out.chunks_exact_mut(g * hd).enumerate() {
-            merge_one(i, o);
+        for (i, (o, l)) in out
+            .chunks_exact_mut(g * hd)
+            .zip(lse.chunks_exact_mut(g))
+            .enumerate()
+        {
+            merge_one(i, o, l);
         }
     } else {
         let shared = pool::Shared::new(&mut out);
-        // SAFETY: merge i writes only its own piece.
+        let shared_lse = pool::Shared::new(&mut lse);
+        // SAFETY: merge i writes only its own pieces.
         pool::for_each(d.batch * d.kv_heads, |i| {
-            merge_one(i, unsafe { shared.piece(i * g * hd, g * hd) })
+            merge_one(i, unsafe { shared.piece(i * g * hd, g * hd) }, unsafe {
+                shared_lse.piece(i * g, g)
+            })
         });
     }
-    out
+    Out { out, lse }
+}
+
+/// A call's output (`[B, H, D]`) and log-sum-exp of each query head's scores (`[B, H]`).
+struct Out {
+    out: Vec<f32>,
+    lse: Vec<f32>,
 }
 
 /// Pool slots of the task's positions, walking its block table.
@@ -187,7 +203,8 @@ fn fill_slots(slots: &mut Vec<u32>, d: &Dims, t: &Tables, task: &Task) {
     }
 }
 
-/// Merges the chunks of (sequence `b`, KV head `kh`) into `o` (`[G, D]`).
+/// Merges the chunks of (sequence `b`, KV head `kh`) into `o` (`[G, D]`) and their
+/// log-sum-exp into `lse` (`[G]`); a sequence without positions gets zeros and −∞.
 #[allow(clippy::too_many_arguments)]
 fn merge(
     plan: &Plan,
@@ -199,8 +216,14 @@ fn merge(
     b: usize,
     kh: usize,
     o: &mut [f32],
+    lse: &mut [f32],
 ) {
     let (first, nc) = plan.seqs[b];
+    if nc == 0 {
+        o.fill(0.0);
+        lse.fill(f32::NEG_INFINITY);
+        return;
+    }
     let part = |c: usize| &parts[((first + c) * kv_heads + kh) * stride..][..stride];
     for j in 0..g {
         let m = (0..nc)
@@ -217,6 +240,7 @@ fn merge(
             }
         }
         oj.iter_mut().for_each(|x| *x /= z);
+        lse[j] = m + z.ln();
     }
 }
 
@@ -257,6 +281,33 @@ pub(super) fn decode(
     decode_with(q, kv, dims, t, scale, isa, keys)
 }
 
+/// [`decode`] with each query head's log-sum-exp of its scaled scores (`[B·H]`, −∞ for a
+/// sequence whose `starts` equals its `lens`): what merging with attention over other rows
+/// needs (`kv::attend::residual`). Only the fused kernel gives it: a head dimension that is not a
+/// multiple of 8 is refused.
+pub(super) fn decode_lse(
+    q: &Tensor,
+    kv: &LayerKv,
+    dims: &Dims,
+    t: &Tables,
+    scale: f32,
+) -> Result<(Tensor, Vec<f32>)> {
+    if !dims.head_dim.is_multiple_of(8) {
+        return Err(candle_core::Error::Msg(format!(
+            "decode_attention: head_dim {} is not a multiple of 8, which the fused CPU kernel \
+             needs to merge with other rows",
+            dims.head_dim
+        )));
+    }
+    let isa = Isa::best(dims.head_dim);
+    let keys = if super::exact_attention() {
+        Keys::Exact
+    } else {
+        key_pass(kv, dims.head_dim, isa)
+    };
+    decode_with_lse(q, kv, dims, t, scale, isa, keys)
+}
+
 /// [`decode`] on a given vector implementation (`head_dim` a multiple of its lanes), scoring
 /// keys as `keys` says (its [`key_pass`], or [`Keys::Exact`]).
 fn decode_with(
@@ -268,6 +319,19 @@ fn decode_with(
     isa: Isa,
     keys: Keys,
 ) -> Result<Tensor> {
+    Ok(decode_with_lse(q, kv, dims, t, scale, isa, keys)?.0)
+}
+
+/// [`decode_with`] with the log-sum-exp of [`decode_lse`].
+fn decode_with_lse(
+    q: &Tensor,
+    kv: &LayerKv,
+    dims: &Dims,
+    t: &Tables,
+    scale: f32,
+    isa: Isa,
+    keys: Keys,
+) -> Result<(Tensor, Vec<f32>)> {
     let d = dims;
     let qv: Vec<f32> = q
         .to_dtype(DType::F32)?
@@ -295,7 +359,7 @@ fn decode_with(
         qv
     };
     let plan = plan(d, t);
-    let out = match kv {
+    let Out { out, lse } = match kv {
         LayerKv::Dense { k, v } => dense_out(k, v, &plan, &qv, d, t, isa)?,
         LayerKv::Affine {
             kfmt, vfmt, k, v, ..
@@ -319,7 +383,8 @@ fn decode_with(
     } else {
         out
     };
-    Tensor::from_vec(out, (d.batch, d.heads, d.head_dim), &Device::Cpu)?.to_dtype(q.dtype())
+    let o = Tensor::from_vec(out, (d.batch, d.heads, d.head_dim), &Device::Cpu)?;
+    Ok((o.to_dtype(q.dtype())?, lse))
 }
 
 /// Whether [`key_pass`] takes the 8-bit passes for keys of `format` on this CPU's best ISA
@@ -375,7 +440,7 @@ fn dense_out(
     d: &Dims,
     t: &Tables,
     isa: Isa,
-) -> Result<Vec<f32>> {
+) -> Result<Out> {
     let slots = d.num_blocks * d.block_size;
     let width = d.kv_heads * d.head_dim;
     let (k, v) = (k.contiguous()?, v.contiguous()?);
@@ -423,7 +488,7 @@ fn affine_out(
     d: &Dims,
     t: &Tables,
     isa: Isa,
-) -> Result<Vec<f32>> {
+) -> Result<Out> {
     let slots = d.num_blocks * d.block_size;
     let width = d.kv_heads * d.head_dim;
     let ts = [

@@ -25,7 +25,7 @@ pub fn decode_attention(
     if dims.batch == 0 {
         return q.zeros_like();
     }
-    let t = read_tables(&dims, block_tables, starts, lens, None)?;
+    let t = read_tables(&dims, block_tables, starts, lens, None, false)?;
     decode_checked(q, kv, &dims, &t, scale)
 }
 

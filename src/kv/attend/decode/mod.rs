@@ -193,6 +193,7 @@ fn read_tables<'a>(
     starts: &Tensor,
     lens: &Tensor,
     host: Option<&'a HostTables>,
+    allow_empty: bool,
 ) -> Result<Tables<'a>> {
     let (tables, starts, lens): (Ids, Ids, Ids) = match host {
         Some(h) => (
@@ -223,10 +224,13 @@ fn read_tables<'a>(
         let (s, l) = (starts[b] as usize, lens[b] as usize);
         let err =
             |msg: String| -> candle_core::Error { DecodeError::Sequence { seq: b, msg }.into() };
-        if l == 0 || s >= l {
+        if !allow_empty && (l == 0 || s >= l) {
             return Err(err(format!(
                 "needs start < len and len >= 1 (the new token), got start {s}, len {l}"
             )));
+        }
+        if s > l {
+            return Err(err(format!("needs start <= len, got start {s}, len {l}")));
         }
         if l > dims.max_blocks * dims.block_size {
             return Err(err(format!(
@@ -378,7 +382,7 @@ pub fn decode_attention_step(
         }
         None => q,
     };
-    let t = read_tables(&dims, block_tables, starts, lens, step.host)?;
+    let t = read_tables(&dims, block_tables, starts, lens, step.host, false)?;
     let o = match q.device() {
         Device::Cpu if cpu_fused => cpu::decode(q, kv, &dims, &t, scale)?,
         _ => generic::decode_checked(q, kv, &dims, &t, scale)?,
@@ -387,4 +391,53 @@ pub fn decode_attention_step(
         Some(r) => r.unrotate(&o),
         None => Ok(o),
     }
+}
+
+/// [`decode_attention_step`] on the CPU's fused kernel, with each query head's log-sum-exp of its
+/// scaled scores (`[B·H]`, −∞ where a query has no positions): a query's `starts` may equal its
+/// `lens` (no positions; zeros out). What attention over the quantized part of a history needs
+/// to merge with attention over other rows (`kv::attend::residual`). Other devices and formats
+/// without a fused CPU kernel are refused.
+pub fn decode_attention_step_lse(
+    q: &Tensor,
+    kv: &LayerKv,
+    step: &StepTables<'_>,
+    block_size: usize,
+    num_kv_heads: usize,
+    scale: f32,
+    rot: Option<&Rotation>,
+) -> Result<(Tensor, Vec<f32>)> {
+    let (block_tables, starts, lens) = (step.tables, step.starts, step.lens);
+    let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
+    let fused = match kv {
+        LayerKv::Affine { kfmt, vfmt, .. } => {
+            kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt)
+        }
+        LayerKv::Dense { .. } => true,
+    };
+    if !q.device().is_cpu() || !fused {
+        return Err(shape_err(
+            "merging with other rows needs the fused CPU kernel (a CPU cache with K and V of one \
+             width, or keys one bit wider)"
+                .into(),
+        ));
+    }
+    if dims.batch == 0 {
+        return Ok((q.zeros_like()?, Vec::new()));
+    }
+    let rq;
+    let q = match rot {
+        Some(r) => {
+            rq = r.rotate(q)?;
+            &rq
+        }
+        None => q,
+    };
+    let t = read_tables(&dims, block_tables, starts, lens, step.host, true)?;
+    let (o, lse) = cpu::decode_lse(q, kv, &dims, &t, scale)?;
+    let o = match rot {
+        Some(r) => r.unrotate(&o)?,
+        None => o,
+    };
+    Ok((o, lse))
 }

@@ -68,7 +68,7 @@ impl Fixture {
         let starts = u32s(which.iter().map(|&i| self.seqs[i].0 as u32).collect());
         let lens = u32s(which.iter().map(|&i| self.seqs[i].1 as u32).collect());
         let dims = check_shapes(q, kv, &tables, &starts, &lens, self.bs, self.kvh).unwrap();
-        let t = read_tables(&dims, &tables, &starts, &lens, None).unwrap();
+        let t = read_tables(&dims, &tables, &starts, &lens, None, false).unwrap();
         (dims, t)
     }
 

@@ -1,0 +1,225 @@
+//! `--kv-residual N`: dense copies of each sequence's newest rows, so every query attends its
+//! newest `N` positions exactly and only older ones through their quantized rows (KIVI's
+//! full-precision residual). Measured on the default model, this is where quantization error
+//! costs most: a query weighs its recent positions heavily.
+//!
+//! The quantized rows are written as always (every position has one, so the pools' layout,
+//! windows, block accounting and prompt files are those of the cache without `N`); beside them each (sequence, quantized layer) keeps the f16 rows of its newest
+//! positions, `N − 1` of them between steps plus the rows being attended — what the queries at
+//! positions `start..start + n` see dense is `start + 1 − N ..= start + n − 1`.
+//! With `--kv-sinks S` the first `S` positions' rows are kept too, for good (attention sinks:
+//! many heads put much of their weight on a sequence's first tokens, whatever the query).
+//! `kv::attend::residual` merges the parts of each query's attention.
+
+use half::f16;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::SeqId;
+
+/// Dense copies of one (sequence, layer)'s newest K and V rows, `width` values each.
+#[derive(Debug, Default, Clone)]
+pub struct Tail {
+    /// Position of the first row held.
+    pub start: usize,
+    pub k: Vec<f16>,
+    pub v: Vec<f16>,
+    /// Rows of positions `0..` (the sinks), up to `sinks` of them.
+    pub sink_k: Vec<f16>,
+    pub sink_v: Vec<f16>,
+}
+
+impl Tail {
+    /// Rows held.
+    pub fn len(&self, width: usize) -> usize {
+        self.k.len() / width.max(1)
+    }
+
+    /// One past the last position held.
+    pub fn end(&self, width: usize) -> usize {
+        self.start + self.len(width)
+    }
+
+    /// Sink rows held (positions `0..sinks_held`).
+    pub fn sinks_held(&self, width: usize) -> usize {
+        self.sink_k.len() / width.max(1)
+    }
+
+    /// Keeps the rows of positions below `sinks` among `start..start + n` (after dropping any at
+    /// or after `start`: a rewound sequence); a gap leaves the sinks as they are (short).
+    fn push_sinks(&mut self, start: usize, k: &[f32], v: &[f32], width: usize, sinks: usize) {
+        let held = self.sinks_held(width);
+        if start > held || start >= sinks {
+            return;
+        }
+        self.sink_k.truncate(start * width);
+        self.sink_v.truncate(start * width);
+        let n = (k.len() / width.max(1)).min(sinks - start);
+        self.sink_k
+            .extend(k[..n * width].iter().map(|&x| f16::from_f32(x)));
+        self.sink_v
+            .extend(v[..n * width].iter().map(|&x| f16::from_f32(x)));
+    }
+
+    /// Takes rows `k`, `v` (`n × width`, f32) as positions `start..start + n`, keeping the
+    /// `keep − 1` positions before `start` that the new queries still see dense. Rows at or
+    /// after `start` (a rewound sequence) are dropped first; a gap before `start` empties the
+    /// tail (those positions have no dense copies, so they attend quantized).
+    fn push(&mut self, start: usize, k: &[f32], v: &[f32], width: usize, keep: usize) {
+        let first = (start + 1).saturating_sub(keep);
+        if self.end(width) < start || self.k.is_empty() || start < self.start {
+            self.k.clear();
+            self.v.clear();
+            self.start = start;
+        }
+        let held = start.min(self.end(width));
+        self.k.truncate((held - self.start) * width);
+        self.v.truncate((held - self.start) * width);
+        if first > self.start {
+            let drop = (first - self.start).min(self.len(width)) * width;
+            self.k.drain(..drop);
+            self.v.drain(..drop);
+            self.start = first.min(held);
+        }
+        self.k.extend(k.iter().map(|&x| f16::from_f32(x)));
+        self.v.extend(v.iter().map(|&x| f16::from_f32(x)));
+    }
+}
+
+/// The tails of every (sequence, layer) of a cache.
+#[derive(Debug, Default)]
+pub(super) struct Tails(Mutex<HashMap<(SeqId, usize), Tail>>);
+
+impl Tails {
+    /// Takes rows of positions `start..` of `id` in `layer`: `keep` newest (the window) and the
+    /// first `sinks`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push(
+        &self,
+        id: SeqId,
+        layer: usize,
+        start: usize,
+        (k, v): (&[f32], &[f32]),
+        width: usize,
+        keep: usize,
+        sinks: usize,
+    ) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let t = m.entry((id, layer)).or_default();
+        if sinks > 0 {
+            t.push_sinks(start, k, v, width, sinks);
+        }
+        t.push(start, k, v, width, keep);
+    }
+
+    /// Drops the rows of `id` before position `from` in every layer.
+    pub(super) fn trim(&self, id: SeqId, from: usize, width: usize) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for t in m.iter_mut().filter(|((s, _), _)| *s == id).map(|(_, t)| t) {
+            if from > t.start {
+                let drop = (from - t.start).min(t.len(width)) * width;
+                t.k.drain(..drop);
+                t.v.drain(..drop);
+                t.start += drop / width.max(1);
+            }
+        }
+    }
+
+    pub(super) fn with<R>(&self, id: SeqId, layer: usize, f: impl FnOnce(Option<&Tail>) -> R) -> R {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f(m.get(&(id, layer)))
+    }
+
+    pub(super) fn remove(&self, id: SeqId) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.retain(|(s, _), _| *s != id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(from: usize, n: usize) -> Vec<f32> {
+        (from..from + n).map(|p| p as f32).collect()
+    }
+
+    /// Width 1, rows valued by their position: what the tail holds after each push.
+    #[test]
+    fn keeps_the_newest_rows_a_query_sees_dense() {
+        let mut t = Tail::default();
+        let push = |t: &mut Tail, start: usize, n: usize| {
+            t.push(start, &rows(start, n), &rows(start, n), 1, 4)
+        };
+        let held = |t: &Tail| {
+            (
+                t.start,
+                t.k.iter().map(|x| x.to_f32() as usize).collect::<Vec<_>>(),
+            )
+        };
+        push(&mut t, 0, 6); // a prompt chunk: all its rows
+        assert_eq!(held(&t), (0, (0..6).collect()));
+        push(&mut t, 6, 1); // a decode step sees 3..=6
+        assert_eq!(held(&t), (3, vec![3, 4, 5, 6]));
+        push(&mut t, 7, 2);
+        assert_eq!(held(&t), (4, vec![4, 5, 6, 7, 8]));
+        push(&mut t, 6, 1); // rewound to 6: rows 6.. replaced
+        assert_eq!(held(&t), (4, vec![4, 5, 6]));
+        push(&mut t, 20, 1); // a gap: nothing before 20 is held
+        assert_eq!(held(&t), (20, vec![20]));
+        push(&mut t, 2, 1); // rewound before the tail
+        assert_eq!(held(&t), (2, vec![2]));
+    }
+
+    /// The first rows stay whatever the window does, across chunk boundaries; a rewind into
+    /// them replaces them; a sequence that starts past them (imported rows) holds none.
+    #[test]
+    fn sinks_keep_the_first_rows() {
+        let tails = Tails::default();
+        let push = |start: usize, n: usize| {
+            tails.push(1, 0, start, (&rows(start, n), &rows(start, n)), 1, 2, 3)
+        };
+        let sinks = || {
+            tails.with(1, 0, |t| {
+                t.unwrap()
+                    .sink_k
+                    .iter()
+                    .map(|x| x.to_f32() as usize)
+                    .collect::<Vec<_>>()
+            })
+        };
+        push(0, 2);
+        assert_eq!(sinks(), [0, 1]);
+        push(2, 5);
+        assert_eq!(sinks(), [0, 1, 2]);
+        push(7, 1);
+        assert_eq!(sinks(), [0, 1, 2]);
+        push(1, 1); // rewound to 1
+        assert_eq!(sinks(), [0, 1]);
+        tails.push(2, 0, 5, (&rows(5, 2), &rows(5, 2)), 1, 2, 3);
+        tails.with(2, 0, |t| assert_eq!(t.unwrap().sinks_held(1), 0));
+    }
+
+    /// After a step only the rows the next query sees dense stay, in every layer of the
+    /// sequence; other sequences keep theirs.
+    #[test]
+    fn trimming_keeps_what_the_next_query_sees() {
+        let tails = Tails::default();
+        for layer in 0..2 {
+            tails.push(7, layer, 0, (&rows(0, 10), &rows(0, 10)), 1, 4, 0);
+            tails.push(8, layer, 0, (&rows(0, 10), &rows(0, 10)), 1, 4, 0);
+        }
+        tails.trim(7, 7, 1); // next query at 10 sees 7..=10
+        for layer in 0..2 {
+            tails.with(7, layer, |t| {
+                let t = t.unwrap();
+                assert_eq!(t.start, 7);
+                assert_eq!(t.k.len(), 3);
+                assert_eq!(t.v[0].to_f32(), 7.0);
+            });
+            tails.with(8, layer, |t| assert_eq!(t.unwrap().k.len(), 10));
+        }
+        tails.remove(7);
+        tails.with(7, 0, |t| assert!(t.is_none()));
+    }
+}

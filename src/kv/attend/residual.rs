@@ -10,6 +10,7 @@
 //! same position gets when decoded (batch invariance holds).
 
 use candle_core::{DType, Result, Tensor};
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::decode::{self, HostTables, StepTables};
@@ -57,11 +58,11 @@ pub(super) fn attend(
         dense.push(cache.with_residual(id, layer, |tail| {
             tail.map(|t| Dense {
                 start: t.start,
-                k: t.k.iter().map(|x| x.to_f32()).collect(),
-                v: t.v.iter().map(|x| x.to_f32()).collect(),
+                k: t.k.to_f32_vec(),
+                v: t.v.to_f32_vec(),
                 sinks: t.sinks_held(width),
-                sk: t.sink_k.iter().map(|x| x.to_f32()).collect(),
-                sv: t.sink_v.iter().map(|x| x.to_f32()).collect(),
+                sk: t.sink_k.to_f32_vec(),
+                sv: t.sink_v.to_f32_vec(),
             })
         }));
     }
@@ -261,14 +262,7 @@ mod tests {
                         v.narrow(0, 0, at + n).unwrap(),
                     );
                     let want = reference(&cache, &hist.0, &hist.1, &q, at, (keep, sinks), scale);
-                    let err: f32 = (&got - &want)
-                        .unwrap()
-                        .abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap()
-                        .to_scalar()
-                        .unwrap();
+                    let err = crate::ops::testing::max_abs_diff(&got, &want);
                     assert!(
                         err < 1e-4,
                         "K{key}/V{value} rotated {rotated}, keep {keep}, sinks {sinks}, chunk at \

@@ -371,28 +371,7 @@ impl PagedKvCache {
         // kernel does both); staging keeps them as they are.
         let rot = self.rotation(layer, true);
         let (g, at) = self.layer_place(layer)?;
-        let keep = self.residual(layer);
-        if keep > 0 {
-            let w = self.cfg.width();
-            let (kf, vf) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
-            let (kf, vf) = (
-                kf.flatten_all()?.to_vec1::<f32>()?,
-                vf.flatten_all()?.to_vec1::<f32>()?,
-            );
-            for &(id, start, offset, n) in spans {
-                let rows = offset * w..(offset + n) * w;
-                let (Some(kr), Some(vr)) = (kf.get(rows.clone()), vf.get(rows)) else {
-                    return Err(candle_core::Error::Msg(format!(
-                        "write: rows {offset}..{} of a batch of {} rows",
-                        offset + n,
-                        kf.len() / w.max(1)
-                    ))
-                    .into());
-                };
-                self.tails
-                    .push(id, layer, start, (kr, vr), w, keep, self.cfg.sinks);
-            }
-        }
+        self.keep_residual(layer, spans, k, v)?;
         // Per pool: which rows of k/v go to which slots, so each pool takes one write per
         // layer (one fused launch per tensor on CUDA) instead of one per sequence and block.
         let bs = self.cfg.block_size;
@@ -528,25 +507,6 @@ impl PagedKvCache {
         let shape = (n, self.cfg.num_kv_heads, self.cfg.head_dim);
         let (k, v) = self.groups[g].pool(s.pool).layers[at].gather(slots, dtype)?;
         Ok((k.reshape(shape)?, v.reshape(shape)?))
-    }
-
-    /// Positions each query of `layer` attends through dense copies (`--kv-residual`): the
-    /// setting on quantized layers, 0 on dense ones.
-    pub fn residual(&self, layer: usize) -> usize {
-        match self.cfg.formats.get(layer) {
-            Some(KvFormat::Affine { .. }) => self.cfg.residual,
-            _ => 0,
-        }
-    }
-
-    /// Calls `f` with the dense copies of `id`'s newest rows in `layer` (`None`: none kept).
-    pub fn with_residual<R>(
-        &self,
-        id: SeqId,
-        layer: usize,
-        f: impl FnOnce(Option<&residual::Tail>) -> R,
-    ) -> R {
-        self.tails.with(id, layer, f)
     }
 
     /// Whether `id` lives in the main pools (else in dense staging).

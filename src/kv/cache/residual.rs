@@ -12,10 +12,65 @@
 //! `kv::attend::residual` merges the parts of each query's attention.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use super::SeqId;
+use candle_core::{DType, Tensor};
+
+use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId};
+
+impl PagedKvCache {
+    /// Positions each query of `layer` attends through dense copies (`--kv-residual`): the
+    /// setting on quantized layers, 0 on dense ones.
+    pub fn residual(&self, layer: usize) -> usize {
+        match self.cfg.formats.get(layer) {
+            Some(KvFormat::Affine { .. }) => self.cfg.residual,
+            _ => 0,
+        }
+    }
+
+    /// Calls `f` with the dense copies of `id`'s newest rows in `layer` (`None`: none kept).
+    pub fn with_residual<R>(
+        &self,
+        id: SeqId,
+        layer: usize,
+        f: impl FnOnce(Option<&Tail>) -> R,
+    ) -> R {
+        self.tails.with(id, layer, f)
+    }
+
+    /// Keeps dense copies of a write's rows (`k`, `v`: `[T, width]`, spans as
+    /// [`PagedKvCache::write_spans`] takes them) where `layer` has a residual window.
+    pub(super) fn keep_residual(
+        &self,
+        layer: usize,
+        spans: &[(SeqId, usize, usize, usize)],
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let keep = self.residual(layer);
+        if keep == 0 {
+            return Ok(());
+        }
+        let w = self.cfg.width();
+        let rows = |x: &Tensor| x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+        let (kf, vf) = (rows(k)?, rows(v)?);
+        for &(id, start, offset, n) in spans {
+            let span = offset * w..(offset + n) * w;
+            let (Some(kr), Some(vr)) = (kf.get(span.clone()), vf.get(span)) else {
+                return Err(CacheError::Rows(format!(
+                    "write: rows {offset}..{} of a batch of {} rows",
+                    offset + n,
+                    kf.len() / w.max(1)
+                )));
+            };
+            self.tails
+                .push(id, layer, start, (kr, vr), w, keep, self.cfg.sinks);
+        }
+        Ok(())
+    }
+}
 
 /// Dense copies of one (sequence, layer)'s newest K and V rows, `width` values each.
 #[derive(Debug, Default, Clone)]
@@ -55,10 +110,8 @@ impl Tail {
         self.sink_k.truncate(start * width);
         self.sink_v.truncate(start * width);
         let n = (k.len() / width.max(1)).min(sinks - start);
-        self.sink_k
-            .extend(k[..n * width].iter().map(|&x| f16::from_f32(x)));
-        self.sink_v
-            .extend(v[..n * width].iter().map(|&x| f16::from_f32(x)));
+        extend_f16(&mut self.sink_k, &k[..n * width]);
+        extend_f16(&mut self.sink_v, &v[..n * width]);
     }
 
     /// Takes rows `k`, `v` (`n × width`, f32) as positions `start..start + n`, keeping the
@@ -81,9 +134,16 @@ impl Tail {
             self.v.drain(..drop);
             self.start = first.min(held);
         }
-        self.k.extend(k.iter().map(|&x| f16::from_f32(x)));
-        self.v.extend(v.iter().map(|&x| f16::from_f32(x)));
+        extend_f16(&mut self.k, k);
+        extend_f16(&mut self.v, v);
     }
+}
+
+/// Appends `x` rounded to f16 (one slice conversion: F16C where the CPU has it).
+fn extend_f16(dst: &mut Vec<f16>, x: &[f32]) {
+    let at = dst.len();
+    dst.resize(at + x.len(), f16::ZERO);
+    dst[at..].convert_from_f32_slice(x);
 }
 
 /// The tails of every (sequence, layer) of a cache.

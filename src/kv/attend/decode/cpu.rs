@@ -272,13 +272,7 @@ pub(super) fn decode(
     if !dims.head_dim.is_multiple_of(8) {
         return generic::decode_checked(q, kv, dims, t, scale);
     }
-    let isa = Isa::best(dims.head_dim);
-    let keys = if super::exact_attention() {
-        Keys::Exact
-    } else {
-        key_pass(kv, dims.head_dim, isa)
-    };
-    decode_with(q, kv, dims, t, scale, isa, keys)
+    Ok(decode_lse(q, kv, dims, t, scale)?.0)
 }
 
 /// [`decode`] with each query head's log-sum-exp of its scaled scores (`[B·H]`, −∞ for a
@@ -309,7 +303,8 @@ pub(super) fn decode_lse(
 }
 
 /// [`decode`] on a given vector implementation (`head_dim` a multiple of its lanes), scoring
-/// keys as `keys` says (its [`key_pass`], or [`Keys::Exact`]).
+/// keys as `keys` says (its [`key_pass`], or [`Keys::Exact`]): what the tests run each ISA with.
+#[cfg(test)]
 fn decode_with(
     q: &Tensor,
     kv: &LayerKv,
@@ -322,7 +317,9 @@ fn decode_with(
     Ok(decode_with_lse(q, kv, dims, t, scale, isa, keys)?.0)
 }
 
-/// [`decode_with`] with the log-sum-exp of [`decode_lse`].
+/// The fused kernel on a given vector implementation (`head_dim` a multiple of its lanes),
+/// scoring keys as `keys` says (its [`key_pass`], or [`Keys::Exact`]), with the log-sum-exp of
+/// [`decode_lse`].
 fn decode_with_lse(
     q: &Tensor,
     kv: &LayerKv,

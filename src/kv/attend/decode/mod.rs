@@ -364,32 +364,44 @@ pub fn decode_attention_step(
     // The fused kernels read K and V in one format, or keys one bit wider than values
     // (`QuantFormat::one_bit_wider`; CUDA: on its warp kernel, `cuda::reads`); other mixed
     // widths take the generic path (still only the visible rows are dequantized).
-    let cpu_fused = match kv {
-        LayerKv::Affine { kfmt, vfmt, .. } => {
-            kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt)
-        }
-        LayerKv::Dense { .. } => true,
-    };
+    let cpu_fused = cpu_fuses(kv);
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::reads(q, kv, &dims) {
         return cuda::decode(q, kv, &dims, block_tables, starts, lens, scale, rot);
     }
-    let rq;
-    let q = match rot {
-        Some(r) => {
-            rq = r.rotate(q)?;
-            &rq
-        }
-        None => q,
-    };
     let t = read_tables(&dims, block_tables, starts, lens, step.host, false)?;
-    let o = match q.device() {
-        Device::Cpu if cpu_fused => cpu::decode(q, kv, &dims, &t, scale)?,
-        _ => generic::decode_checked(q, kv, &dims, &t, scale)?,
-    };
+    Ok(in_rotated_space(q, rot, |q| {
+        let o = match q.device() {
+            Device::Cpu if cpu_fused => cpu::decode(q, kv, &dims, &t, scale)?,
+            _ => generic::decode_checked(q, kv, &dims, &t, scale)?,
+        };
+        Ok((o, ()))
+    })?
+    .0)
+}
+
+/// Whether the fused CPU kernel reads `kv`: K and V of one format, or keys one bit wider.
+fn cpu_fuses(kv: &LayerKv) -> bool {
+    match kv {
+        LayerKv::Affine { kfmt, vfmt, .. } => {
+            kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt)
+        }
+        LayerKv::Dense { .. } => true,
+    }
+}
+
+/// Runs `f` on `q` rotated into `rot`'s space (if any) and rotates its output back.
+fn in_rotated_space<T>(
+    q: &Tensor,
+    rot: Option<&Rotation>,
+    f: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+) -> Result<(Tensor, T)> {
     match rot {
-        Some(r) => r.unrotate(&o),
-        None => Ok(o),
+        Some(r) => {
+            let (o, x) = f(&r.rotate(q)?)?;
+            Ok((r.unrotate(&o)?, x))
+        }
+        None => f(q),
     }
 }
 
@@ -409,13 +421,7 @@ pub fn decode_attention_step_lse(
 ) -> Result<(Tensor, Vec<f32>)> {
     let (block_tables, starts, lens) = (step.tables, step.starts, step.lens);
     let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
-    let fused = match kv {
-        LayerKv::Affine { kfmt, vfmt, .. } => {
-            kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt)
-        }
-        LayerKv::Dense { .. } => true,
-    };
-    if !q.device().is_cpu() || !fused {
+    if !q.device().is_cpu() || !cpu_fuses(kv) {
         return Err(shape_err(
             "merging with other rows needs the fused CPU kernel (a CPU cache with K and V of one \
              width, or keys one bit wider)"
@@ -425,19 +431,6 @@ pub fn decode_attention_step_lse(
     if dims.batch == 0 {
         return Ok((q.zeros_like()?, Vec::new()));
     }
-    let rq;
-    let q = match rot {
-        Some(r) => {
-            rq = r.rotate(q)?;
-            &rq
-        }
-        None => q,
-    };
     let t = read_tables(&dims, block_tables, starts, lens, step.host, true)?;
-    let (o, lse) = cpu::decode_lse(q, kv, &dims, &t, scale)?;
-    let o = match rot {
-        Some(r) => r.unrotate(&o)?,
-        None => o,
-    };
-    Ok((o, lse))
+    in_rotated_space(q, rot, |q| cpu::decode_lse(q, kv, &dims, &t, scale))
 }

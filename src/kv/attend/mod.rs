@@ -53,7 +53,7 @@ pub fn paged_attention(
             tables: &t.tables,
             starts: &t.starts,
             lens: &g.lens,
-            host: Some(&t.host),
+            host: Some(t.host.view()),
         };
         let o = if g.main && cache.residual(layer) > 0 {
             residual::attend(&qg, cache, layer, g, t, batch, scale as f32)?
@@ -97,6 +97,8 @@ pub fn paged_attention(
         let in_main = cache
             .in_main_pool(s.seq)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        // Rotated rows (main pool): attend in the rotated space, then rotate the output back.
+        let rot = in_main.then(|| cache.rotation(layer, true)).flatten();
         if in_main && cache.residual(layer) > 0 {
             return Err(candle_core::Error::Msg(format!(
                 "layer {layer}: --kv-residual attends through the CPU's decode kernel, which \
@@ -120,12 +122,6 @@ pub fn paged_attention(
                 m
             }
         };
-        // Rotated rows: attend in the rotated space, then rotate the output back.
-        let rot = cache
-            .in_main_pool(s.seq)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))?
-            .then(|| cache.rotation(layer, true))
-            .flatten();
         let o = match rot {
             Some(r) => r.unrotate(&attend_masked(
                 &r.rotate(&qs)?,

@@ -13,17 +13,16 @@ use candle_core::{DType, Result, Tensor};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::decode::{self, HostTables, StepTables};
+use super::decode::{self, HostView, StepTables};
 use super::plan::{DecodeGroup, GroupTables, SeqSlice};
 use crate::kv::cache::PagedKvCache;
 
 /// The dense rows of one sequence, widened to f32: positions `start..start + k.len() / width`
-/// (the window) and `0..sinks` (`sk`, `sv`).
+/// (the window) and `0..sk.len() / width` (the sinks).
 struct Dense {
     start: usize,
     k: Vec<f32>,
     v: Vec<f32>,
-    sinks: usize,
     sk: Vec<f32>,
     sv: Vec<f32>,
 }
@@ -60,7 +59,6 @@ pub(super) fn attend(
                 start: t.start,
                 k: t.k.to_f32_vec(),
                 v: t.v.to_f32_vec(),
-                sinks: t.sinks_held(width),
                 sk: t.sink_k.to_f32_vec(),
                 sv: t.sink_v.to_f32_vec(),
             })
@@ -74,7 +72,7 @@ pub(super) fn attend(
     for r in 0..n_q {
         let (st, len) = (host.starts[r] as usize, host.lens[r] as usize);
         let d = dense[seq_of[r]].as_ref();
-        let hs = d.map_or(0, |d| d.sinks.min(len));
+        let hs = d.map_or(0, |d| (d.sk.len() / width).min(len));
         let q0 = st.max(hs);
         let l = match d {
             Some(d) if d.start + d.k.len() / width >= len => {
@@ -87,16 +85,15 @@ pub(super) fn attend(
     }
     let starts_q = Tensor::new(qs.as_slice(), q.device())?;
     let lens_q = Tensor::new(lo.as_slice(), q.device())?;
-    let step_host = HostTables {
-        tables: host.tables.clone(),
-        starts: qs,
-        lens: lo.clone(),
-    };
     let step = StepTables {
         tables: &t.tables,
         starts: &starts_q,
         lens: &lens_q,
-        host: Some(&step_host),
+        host: Some(HostView {
+            tables: &host.tables,
+            starts: &qs,
+            lens: &lo,
+        }),
     };
     let (oq, lse) = decode::decode_attention_step_lse(
         q,
@@ -121,7 +118,7 @@ pub(super) fn attend(
                 return;
             };
             // Dense rows: (K, V, index) of the visible sinks, then of the window.
-            let sinks = st..d.sinks.min(len);
+            let sinks = st..(d.sk.len() / width).min(len);
             let rows: Vec<(&[f32], &[f32], usize)> = sinks
                 .map(|p| (&d.sk[..], &d.sv[..], p))
                 .chain((lo..len).map(|p| (&d.k[..], &d.v[..], p - d.start)))

@@ -128,14 +128,19 @@ impl Tail {
         let held = start.min(self.end(width));
         self.k.truncate((held - self.start) * width);
         self.v.truncate((held - self.start) * width);
-        if first > self.start {
-            let drop = (first - self.start).min(self.len(width)) * width;
-            self.k.drain(..drop);
-            self.v.drain(..drop);
-            self.start = first.min(held);
-        }
+        self.drop_before(first, width);
         extend_f16(&mut self.k, k);
         extend_f16(&mut self.v, v);
+    }
+
+    /// Drops the window's rows of positions before `from`.
+    fn drop_before(&mut self, from: usize, width: usize) {
+        if from > self.start {
+            let n = (from - self.start).min(self.len(width));
+            self.k.drain(..n * width);
+            self.v.drain(..n * width);
+            self.start += n;
+        }
     }
 }
 
@@ -146,9 +151,9 @@ fn extend_f16(dst: &mut Vec<f16>, x: &[f32]) {
     dst[at..].convert_from_f32_slice(x);
 }
 
-/// The tails of every (sequence, layer) of a cache.
+/// The tails of every sequence of a cache, by layer.
 #[derive(Debug, Default)]
-pub(super) struct Tails(Mutex<HashMap<(SeqId, usize), Tail>>);
+pub(super) struct Tails(Mutex<HashMap<SeqId, Vec<Tail>>>);
 
 impl Tails {
     /// Takes rows of positions `start..` of `id` in `layer`: `keep` newest (the window) and the
@@ -165,7 +170,11 @@ impl Tails {
         sinks: usize,
     ) {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let t = m.entry((id, layer)).or_default();
+        let layers = m.entry(id).or_default();
+        if layers.len() <= layer {
+            layers.resize_with(layer + 1, Tail::default);
+        }
+        let t = &mut layers[layer];
         if sinks > 0 {
             t.push_sinks(start, k, v, width, sinks);
         }
@@ -175,24 +184,19 @@ impl Tails {
     /// Drops the rows of `id` before position `from` in every layer.
     pub(super) fn trim(&self, id: SeqId, from: usize, width: usize) {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        for t in m.iter_mut().filter(|((s, _), _)| *s == id).map(|(_, t)| t) {
-            if from > t.start {
-                let drop = (from - t.start).min(t.len(width)) * width;
-                t.k.drain(..drop);
-                t.v.drain(..drop);
-                t.start += drop / width.max(1);
-            }
+        for t in m.get_mut(&id).into_iter().flatten() {
+            t.drop_before(from, width);
         }
     }
 
     pub(super) fn with<R>(&self, id: SeqId, layer: usize, f: impl FnOnce(Option<&Tail>) -> R) -> R {
         let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        f(m.get(&(id, layer)))
+        f(m.get(&id).and_then(|layers| layers.get(layer)))
     }
 
     pub(super) fn remove(&self, id: SeqId) {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        m.retain(|(s, _), _| *s != id);
+        m.remove(&id);
     }
 }
 

@@ -176,6 +176,25 @@ pub struct HostTables {
     pub lens: Vec<u32>,
 }
 
+impl HostTables {
+    pub fn view(&self) -> HostView<'_> {
+        HostView {
+            tables: &self.tables,
+            starts: &self.starts,
+            lens: &self.lens,
+        }
+    }
+}
+
+/// [`HostTables`] borrowed, or put together from other slices (the residual window passes the
+/// plan's tables with its own starts and lens, without copying the tables).
+#[derive(Debug, Clone, Copy)]
+pub struct HostView<'a> {
+    pub tables: &'a [u32],
+    pub starts: &'a [u32],
+    pub lens: &'a [u32],
+}
+
 /// Host views of the block tables, starts and lens, checked against the pool: every visible
 /// position must map to an existing block.
 pub(crate) struct Tables<'a> {
@@ -192,14 +211,14 @@ fn read_tables<'a>(
     block_tables: &Tensor,
     starts: &Tensor,
     lens: &Tensor,
-    host: Option<&'a HostTables>,
+    host: Option<HostView<'a>>,
     allow_empty: bool,
 ) -> Result<Tables<'a>> {
     let (tables, starts, lens): (Ids, Ids, Ids) = match host {
         Some(h) => (
-            Cow::Borrowed(&h.tables),
-            Cow::Borrowed(&h.starts),
-            Cow::Borrowed(&h.lens),
+            Cow::Borrowed(h.tables),
+            Cow::Borrowed(h.starts),
+            Cow::Borrowed(h.lens),
         ),
         None => (
             Cow::Owned(block_tables.flatten_all()?.to_vec1()?),
@@ -327,7 +346,7 @@ pub struct StepTables<'a> {
     pub tables: &'a Tensor,
     pub starts: &'a Tensor,
     pub lens: &'a Tensor,
-    pub host: Option<&'a HostTables>,
+    pub host: Option<HostView<'a>>,
 }
 
 /// Whether a CUDA decode step over a layer stored in `format` (head_dim `head_dim`, queries of

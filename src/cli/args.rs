@@ -366,6 +366,14 @@ pub struct KvArgs {
     #[arg(long, default_value_t = 0, value_name = "S")]
     pub kv_sinks: usize,
 
+    /// Store each key minus its sequence's mean key (per channel, from the sequence's first
+    /// block, per layer): the offset every key shares stops taking up the quantization range,
+    /// and attention is unchanged (softmax ignores a shift common to a query's scores). On the
+    /// default model it cuts 4-bit's KL divergence by ~15%. Needs --kv-bits; not with prompt
+    /// caches, prefix reuse, --quantized-kv-start or soft-capped models.
+    #[arg(long)]
+    pub kv_center: bool,
+
     /// Tokens per KV cache block (the paging unit; memory is allocated a block at a time).
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub kv_block_size: usize,
@@ -428,6 +436,7 @@ impl KvArgs {
             dense_dtype: Some(self.dense_dtype(model)),
             residual: self.kv_residual,
             sinks: self.kv_sinks,
+            center: self.kv_center,
         }
     }
 }

@@ -57,6 +57,17 @@ pub struct BenchKvCacheArgs {
     /// Needs a power-of-two --head-dim.
     #[arg(long)]
     pub rotated: bool,
+    /// Also time each quantized setting with a dense residual window (as `--kv-residual N`):
+    /// a whole cache of --attn-layers layers, each sequence's newest N positions attended
+    /// through f16 copies, the rest through the quantized rows, merged (CPU only). 0 = off.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub residual: usize,
+    /// With --residual: also the first S positions through f16 copies (as `--kv-sinks S`).
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    pub sinks: usize,
+    /// With --residual: keys stored centred (as `--kv-center`).
+    #[arg(long)]
+    pub center: bool,
     /// KV heads.
     #[arg(long, default_value_t = 32)]
     pub heads: usize,
@@ -166,6 +177,9 @@ pub fn run(args: &BenchKvCacheArgs) -> Result<()> {
         warmup: args.warmup,
         repeats: args.repeats,
         rotated: args.rotated,
+        residual: args.residual,
+        sinks: args.sinks,
+        center: args.center,
     };
     cfg.validate()?;
     let device = args.device.open()?;

@@ -52,11 +52,11 @@ pub struct PerplexityArgs {
     pub chunk: usize,
 
     /// KV settings to compare, comma-separated, the reference first: `f32`, `f16`, `bf16` (a
-    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG][:rN][:sS][:exact], BITS being
+    /// dense cache of that dtype) or BITS[:affine|:rotated][:gG][:rN][:sS][:c][:exact], BITS being
     /// one width, an average as --kv-bits takes it (`3.5` = 4-bit K / 3-bit V) or KEY/VALUE
     /// widths (e.g. `4`, `4:affine`, `3:g32`, `6/4`, `3.5:r60:s4`; scheme, group, `rN`
-    /// (--kv-residual N) and `sS` (--kv-sinks S) default to their flags; `:exact` attends as
-    /// --exact-attention does). Bits per value count a residual window's dense rows over --ctx.
+    /// (--kv-residual N) and `sS` (--kv-sinks S) default to their flags; `:c` centres keys as
+    /// --kv-center does; `:exact` attends as --exact-attention does). Bits per value count a residual window's dense rows over --ctx.
     /// Divergences are measured against the first entry; if it is not dense, a dense cache in
     /// the compute dtype is added in front (unless --quantized-reference). Without --compare: the
     /// dense cache and the setting given by --kv-bits (and the other KV flags).
@@ -102,6 +102,8 @@ enum Spec {
         residual: Option<usize>,
         /// Dense sinks (`:sS`; `None`: --kv-sinks).
         sinks: Option<usize>,
+        /// Keys centred (`:c`, or --kv-center).
+        center: bool,
     },
 }
 
@@ -112,7 +114,7 @@ fn parse_specs(list: &str) -> Result<Vec<Spec>> {
             parse_spec(item).with_context(|| {
                 format!(
                     "--compare: '{item}' is not a KV setting (allowed: f32, f16, bf16, or \
-                     BITS[:affine|:rotated][:gG][:rN][:sS][:exact] with BITS one of \
+                     BITS[:affine|:rotated][:gG][:rN][:sS][:c][:exact] with BITS one of \
                      2,3,4,5,6,8, an average 2.5-5.5 or KEY/VALUE bits, N the --kv-residual \
                      window, S the --kv-sinks)"
                 )
@@ -133,10 +135,11 @@ fn parse_spec(item: &str) -> Result<Spec> {
     let w = KvWidths::parse_pair(width).map_err(anyhow::Error::msg)?;
     let bits = (w.key, w.value);
     let (mut scheme, mut group, mut exact) = (None, None, false);
-    let (mut residual, mut sinks) = (None, None);
+    let (mut residual, mut sinks, mut center) = (None, None, false);
     for p in parts {
         match p {
             "exact" if !exact => exact = true,
+            "c" if !center => center = true,
             "affine" if scheme.is_none() => scheme = Some(QuantScheme::Affine),
             "rotated" if scheme.is_none() => scheme = Some(QuantScheme::Rotated),
             g if g.starts_with('g') && group.is_none() => {
@@ -162,6 +165,7 @@ fn parse_spec(item: &str) -> Result<Spec> {
         exact,
         residual,
         sinks,
+        center,
     })
 }
 
@@ -179,6 +183,7 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             kv.quantized_kv_start = 0;
             kv.residual = 0;
             kv.sinks = 0;
+            kv.center = false;
             let mut cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing)?;
             for f in cfg.formats.iter_mut() {
                 *f = crate::kv::format::KvFormat::Dense(*dt);
@@ -196,8 +201,10 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             exact,
             residual,
             sinks,
+            center,
         } => {
             kv.bits = None;
+            kv.center |= *center;
             if let Some(r) = residual {
                 kv.residual = *r;
             }
@@ -228,6 +235,9 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             }
             if kv.sinks > 0 {
                 label += &format!(" + {} sinks", kv.sinks);
+            }
+            if kv.center {
+                label += ", centred keys";
             }
             // Where the CPU kernel would round the query (and weights) to 8 bits for these
             // formats, say which way this row attended.
@@ -291,6 +301,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
                     exact: false,
                     residual: None,
                     sinks: None,
+                    center: false,
                 });
             }
             v
@@ -458,7 +469,8 @@ mod tests {
                 group: None,
                 exact: false,
                 residual: None,
-                sinks: None
+                sinks: None,
+                center: false,
             }
         );
         assert_eq!(
@@ -469,7 +481,8 @@ mod tests {
                 group: Some(32),
                 exact: false,
                 residual: None,
-                sinks: None
+                sinks: None,
+                center: false,
             }
         );
         assert_eq!(
@@ -480,7 +493,8 @@ mod tests {
                 group: Some(32),
                 exact: false,
                 residual: None,
-                sinks: None
+                sinks: None,
+                center: false,
             }
         );
         assert_eq!(
@@ -491,7 +505,8 @@ mod tests {
                 group: None,
                 exact: false,
                 residual: None,
-                sinks: None
+                sinks: None,
+                center: false,
             }
         );
         assert_eq!(
@@ -502,7 +517,8 @@ mod tests {
                 group: Some(32),
                 exact: false,
                 residual: None,
-                sinks: None
+                sinks: None,
+                center: false,
             }
         );
         assert_eq!(
@@ -513,18 +529,20 @@ mod tests {
                 group: None,
                 exact: true,
                 residual: None,
-                sinks: None
+                sinks: None,
+                center: false,
             }
         );
         assert_eq!(
-            parse_specs("3.5:r60:s4").unwrap()[0],
+            parse_specs("3.5:r60:s4:c").unwrap()[0],
             Spec::Quant {
                 bits: (4, 3),
                 scheme: None,
                 group: None,
                 exact: false,
                 residual: Some(60),
-                sinks: Some(4)
+                sinks: Some(4),
+                center: true,
             }
         );
         assert_eq!(
@@ -535,7 +553,8 @@ mod tests {
                 group: None,
                 exact: false,
                 residual: Some(64),
-                sinks: None
+                sinks: None,
+                center: false,
             }
         );
         for bad in [
@@ -547,6 +566,7 @@ mod tests {
             "4:r",
             "4:r64:r64",
             "4:r60:s4:s4",
+            "4:c:c",
             "4:s",
             "4:g",
             "f8",

@@ -44,6 +44,9 @@ impl CacheFiles {
         model: &ModelIdentity,
         cfg: &CacheConfig,
     ) -> Result<CachedPrefix> {
+        if cfg.center {
+            bail!("{CENTRED}: run without --kv-center to start from one");
+        }
         if cfg.residual > 0 {
             bail!(
                 "--prompt-cache cannot start a run with --kv-residual {}: the file holds the \
@@ -100,9 +103,17 @@ impl CacheFiles {
     }
 }
 
+/// Why prompt caches and `--kv-center` do not mix.
+const CENTRED: &str = "--kv-center stores keys minus their sequence's own mean, which a \
+                        prompt-cache file does not hold";
+
 /// Refuses to save where the cache could not hold the whole prompt (a sliding window shorter
-/// than the prompt drops its first tokens before the prefill ends).
+/// than the prompt drops its first tokens before the prefill ends) or where its rows are
+/// centred (`--kv-center`).
 pub fn check_can_save(cfg: &CacheConfig, prompt_tokens: usize) -> Result<()> {
+    if cfg.center {
+        bail!("{CENTRED}: run without --kv-center to save one");
+    }
     if let Some(w) = cfg.kept_window() {
         if prompt_tokens >= w {
             bail!(

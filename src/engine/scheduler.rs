@@ -102,7 +102,8 @@ impl<'m> Engine<'m> {
             bail!("--max-batch and --prefill-chunk must be at least 1");
         }
         #[cfg(feature = "cuda")]
-        let cache_is_cuda = cache.device().is_cuda();
+        // Centred keys are written with each sequence's own mean, eagerly (kv::cache::center).
+        let cache_is_cuda = cache.device().is_cuda() && !cache.config().center;
         Ok(Self {
             model,
             cache,

@@ -237,6 +237,9 @@ fn default_shape_memory_matches_the_issue() {
             warmup: 1,
             repeats: 5,
             rotated: false,
+            residual: 0,
+            sinks: 0,
+            center: false,
         };
         cfg.validate().unwrap();
         let bytes = |b: u32| {

@@ -224,3 +224,29 @@ fn a_residual_window_cuts_divergence_and_is_counted_in_bits() {
         s[2]["label"]
     );
 }
+
+#[test]
+fn centred_keys_cut_divergence_at_the_same_bits() {
+    let v = run_json(&[
+        "--ctx",
+        "256",
+        "--max-tokens",
+        "512",
+        "--compare",
+        "f32,3,3:c",
+    ]);
+    let s = v["settings"].as_array().unwrap();
+    let kl = |i: usize| f(&s[i]["vs_reference"]["kl_mean"]);
+    assert!(
+        kl(2) > 0.0 && kl(2) < kl(1),
+        "centred {} vs {}",
+        kl(2),
+        kl(1)
+    );
+    assert_eq!(f(&s[1]["bits_per_value"]), f(&s[2]["bits_per_value"]));
+    assert!(
+        s[2]["label"].as_str().unwrap().contains("centred keys"),
+        "{}",
+        s[2]["label"]
+    );
+}

@@ -423,3 +423,23 @@ fn kv_residual_saves_a_prompt_file_and_refuses_to_start_from_one() {
         "{e}"
     );
 }
+
+/// Centred keys (`--kv-center`) are minus their sequence's own mean, which a prompt file does not
+/// hold: saving one is refused before anything is written.
+#[test]
+fn kv_center_refuses_to_save_a_prompt_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.safetensors");
+    let e = generate_err(
+        SHORT,
+        &[
+            "--kv-bits",
+            "4",
+            "--kv-center",
+            "--save-prompt-cache",
+            path.to_str().unwrap(),
+        ],
+    );
+    assert!(e.contains("--kv-center stores keys minus"), "{e}");
+    assert!(!path.exists());
+}

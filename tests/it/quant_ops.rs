@@ -2,7 +2,7 @@
 //! bf16, leading dims, large and constant values), input refusals, and quantize_into.
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use kvq::kv::format::{self, QuantFormat, Quantized, SlotRows};
+use kvq::kv::format::{self, Fit, QuantFormat, Quantized, SlotRows};
 
 fn bits(t: &Tensor) -> Vec<u32> {
     let t = t.flatten_all().unwrap();
@@ -296,7 +296,7 @@ fn quantize_rows_into_writes_only_its_run() {
         biases: Tensor::zeros((slots, fmt.groups_per_row(d)), DType::BF16, &Device::Cpu).unwrap(),
     };
     let x = sample(&[3, d], DType::F32, 1.0);
-    format::quantize_rows_into(&x, fmt, &pool, 4).unwrap();
+    format::quantize_rows_into(&x, fmt, Fit::MinMax, &pool, 4).unwrap();
     let want = format::quantize_as(&x, fmt, DType::BF16).unwrap();
     for i in 0..3 {
         assert!(same(
@@ -318,9 +318,15 @@ fn quantize_rows_into_writes_only_its_run() {
             "slot {slot} touched"
         );
     }
-    let e = format::quantize_rows_into(&x, fmt, &pool, 7).unwrap_err();
+    let e = format::quantize_rows_into(&x, fmt, Fit::MinMax, &pool, 7).unwrap_err();
     assert!(e.to_string().contains("outside the pool"), "{e}");
-    let e = format::quantize_rows_into(&sample(&[2, 64], DType::F32, 1.0), fmt, &pool, 0);
+    let e = format::quantize_rows_into(
+        &sample(&[2, 64], DType::F32, 1.0),
+        fmt,
+        Fit::MinMax,
+        &pool,
+        0,
+    );
     assert!(e.is_err());
 }
 
@@ -348,6 +354,7 @@ fn check_into_rows(dev: &Device) {
         format::quantize_into_rows(
             &x.to_device(dev).unwrap(),
             fmt,
+            Fit::MinMax,
             &pool,
             &SlotRows::new(rows.to_vec()),
         )
@@ -377,10 +384,11 @@ fn check_into_rows(dev: &Device) {
         }
         let xd = x.to_device(dev).unwrap();
         let bad = SlotRows::new(vec![0, 1, 2, 3, 4, 12]);
-        let e = format::quantize_into_rows(&xd, fmt, &pool, &bad).unwrap_err();
+        let e = format::quantize_into_rows(&xd, fmt, Fit::MinMax, &pool, &bad).unwrap_err();
         assert!(e.to_string().contains("outside the pool"), "{e}");
         let e =
-            format::quantize_into_rows(&xd, fmt, &pool, &SlotRows::new(vec![0, 1])).unwrap_err();
+            format::quantize_into_rows(&xd, fmt, Fit::MinMax, &pool, &SlotRows::new(vec![0, 1]))
+                .unwrap_err();
         assert!(e.to_string().contains("rows for"), "{e}");
     }
 }
@@ -479,8 +487,10 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
             let fmts = (fmt, vfmt);
             format::quantize_rotated_into_rows(&xk, &xv, fmts, &fk, &fv, &rows, rot.signs(), hd)
                 .unwrap();
-            format::quantize_into_rows(&rot.rotate(&xk).unwrap(), fmt, &rk, &rows).unwrap();
-            format::quantize_into_rows(&rot.rotate(&xv).unwrap(), vfmt, &rv, &rows).unwrap();
+            format::quantize_into_rows(&rot.rotate(&xk).unwrap(), fmt, Fit::MinMax, &rk, &rows)
+                .unwrap();
+            format::quantize_into_rows(&rot.rotate(&xv).unwrap(), vfmt, Fit::MinMax, &rv, &rows)
+                .unwrap();
             let case = format!(
                 "bits {nbits}/{vbits} g {g} {in_dtype:?} into {dtype:?} head_dim {hd} x{kvh}"
             );

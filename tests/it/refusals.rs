@@ -462,6 +462,14 @@ fn kv_residual_is_refused_where_it_cannot_apply() {
             &["--kv-sinks", "4"][..],
             "--kv-sinks only applies to a quantized cache",
         ),
+        (
+            &["--kv-center"][..],
+            "--kv-center only applies to a quantized cache: add --kv-bits",
+        ),
+        (
+            &["--kv-bits", "4", "--kv-center", "--quantized-kv-start", "4"][..],
+            "--kv-center cannot be combined with --quantized-kv-start",
+        ),
     ] {
         let mut args = vec!["generate", "--max-tokens", "2"];
         args.extend_from_slice(extra);

@@ -2,7 +2,7 @@
 //! paged attention per context length and mode, timed, and its largest difference from the
 //! dense cache's output.
 
-use super::{time_ms, BenchConfig, Progress};
+use super::{residual, time_ms, BenchConfig, Progress};
 use crate::kv::attend::decode::decode_attention_rotated;
 use crate::kv::format::rotation::{Rotation, DEFAULT_SEED};
 use crate::kv::format::{KvFormat, KvWidths, LayerKv, QuantFormat};
@@ -63,7 +63,7 @@ pub(super) fn rows(
     // Blocks in shuffled order, as a long-running pool hands them out.
     let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
     ids.shuffle(&mut StdRng::seed_from_u64(cfg.seed ^ 0xB10C));
-    let tables = Tensor::from_vec(ids, (batch, per_seq), device)?;
+    let tables = Tensor::from_vec(ids.clone(), (batch, per_seq), device)?;
     let starts = Tensor::zeros(batch, DType::U32, device)?;
     let lens = Tensor::from_vec(vec![len as u32; batch], batch, device)?;
     let salt = (len as u64) << 20;
@@ -86,27 +86,29 @@ pub(super) fn rows(
     .to_device(device)?;
     progress.step(&format!("attention data, {len} tokens"));
     let scale = 1.0 / (d as f32).sqrt();
-    let kv_tokens = (batch * len) as u64;
-    let mut modes: Vec<(String, Option<KvWidths>, KvFormat)> = vec![(
+    // (label, widths, format, through a cache with dense residual rows).
+    let mut modes: Vec<(String, Option<KvWidths>, KvFormat, bool)> = vec![(
         format!("{} (dense)", cfg.dtype.as_str()),
         None,
         KvFormat::Dense(cfg.dtype),
+        false,
     )];
     for (&widths, &(key, value)) in cfg.bits.iter().zip(fmts) {
         for rotated in [false, true] {
             if rotated && !cfg.rotated {
                 continue;
             }
-            modes.push((
-                format!("{widths}-bit{}", if rotated { " rotated" } else { "" }),
-                Some(widths),
-                KvFormat::Affine {
-                    key,
-                    value,
-                    scale_dtype: cfg.scale_dtype(),
-                    rotated,
-                },
-            ));
+            let label = format!("{widths}-bit{}", if rotated { " rotated" } else { "" });
+            let format = KvFormat::Affine {
+                key,
+                value,
+                scale_dtype: cfg.scale_dtype(),
+                rotated,
+            };
+            modes.push((label.clone(), Some(widths), format, false));
+            if cfg.residual > 0 {
+                modes.push((cfg.residual_label(&label), Some(widths), format, true));
+            }
         }
     }
     let rotation = if cfg.rotated {
@@ -116,7 +118,35 @@ pub(super) fn rows(
     };
     let mut rows = Vec::new();
     let mut dense: Option<(Tensor, f64)> = None;
-    for (mode, bits, format) in modes {
+    for (mode, bits, format, dense_rows) in modes {
+        if dense_rows {
+            let data = residual::Data {
+                k: &k,
+                v: &v,
+                q: &q,
+                ids: &ids,
+                len,
+            };
+            let what = format!("attention {mode}, {len} tokens");
+            let (ms, out) = residual::time(cfg, format, &data, device, progress, &what)?;
+            let dense_rows = (cfg.residual + cfg.sinks).min(len) as u64;
+            let copies = cfg.batch as u64 * dense_rows * 2 * (width * 2) as u64;
+            rows.push(row(
+                &mode,
+                bits,
+                len,
+                ms,
+                &out,
+                dense.as_ref(),
+                format,
+                width,
+            )?);
+            if let Some(r) = rows.last_mut() {
+                r.kv_bytes += copies;
+                r.kv_gbps = r.kv_bytes as f64 / (ms * 1e-3) / 1e9;
+            }
+            continue;
+        }
         let rot = rotation.as_ref().filter(|_| format.is_rotated());
         let stored = |x: &Tensor| -> Result<Tensor> {
             let x = x.to_device(device)?;
@@ -161,24 +191,50 @@ pub(super) fn rows(
         drop(pools);
         let ms = step_ms / cfg.attn_layers as f64;
         let out = out.context("no attention run")?.to_dtype(DType::F32)?;
-        let (err, base_ms) = match &dense {
-            None => (0.0, ms),
-            Some((o, m)) => ((&out - o)?.abs()?.max_all()?.to_scalar::<f32>()? as f64, *m),
-        };
-        let kv_bytes = kv_tokens * format.kv_row_bytes(width) as u64;
-        rows.push(AttnRow {
-            seq_len: len,
-            mode,
+        rows.push(row(
+            &mode,
             bits,
+            len,
             ms,
-            speedup_vs_dense: base_ms / ms,
-            max_abs_error: err,
-            kv_bytes,
-            kv_gbps: kv_bytes as f64 / (ms * 1e-3) / 1e9,
-        });
+            &out,
+            dense.as_ref(),
+            format,
+            width,
+        )?);
         if dense.is_none() {
             dense = Some((out, ms));
         }
     }
     Ok(rows)
+}
+
+/// A measured mode's row: its time and output against the dense baseline's (`None`: this is
+/// the baseline), the bytes of `len` positions of each sequence in `format`.
+#[allow(clippy::too_many_arguments)]
+fn row(
+    mode: &str,
+    bits: Option<KvWidths>,
+    len: usize,
+    ms: f64,
+    out: &Tensor,
+    dense: Option<&(Tensor, f64)>,
+    format: KvFormat,
+    width: usize,
+) -> Result<AttnRow> {
+    let (err, base_ms) = match dense {
+        None => (0.0, ms),
+        Some((o, m)) => ((out - o)?.abs()?.max_all()?.to_scalar::<f32>()? as f64, *m),
+    };
+    let batch = out.dim(0)? as u64;
+    let kv_bytes = batch * len as u64 * format.kv_row_bytes(width) as u64;
+    Ok(AttnRow {
+        seq_len: len,
+        mode: mode.to_string(),
+        bits,
+        ms,
+        speedup_vs_dense: base_ms / ms,
+        max_abs_error: err,
+        kv_bytes,
+        kv_gbps: kv_bytes as f64 / (ms * 1e-3) / 1e9,
+    })
 }

@@ -26,6 +26,7 @@ use serde::Serialize;
 use std::time::Instant;
 
 mod attention;
+mod residual;
 pub use attention::AttnRow;
 
 /// What to measure.
@@ -56,6 +57,12 @@ pub struct BenchConfig {
     /// Also time the rotated scheme in the attention table (its query and output rotations
     /// included in the time).
     pub rotated: bool,
+    /// Also time each quantized mode with this many newest positions (and `sinks` first ones)
+    /// attended through dense copies (`--kv-residual`, `--kv-sinks`), keys centred or not
+    /// (`--kv-center`); 0: no such rows.
+    pub residual: usize,
+    pub sinks: usize,
+    pub center: bool,
 }
 
 fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -103,7 +110,44 @@ impl BenchConfig {
         if self.rotated {
             Rotation::check(self.head_dim).map_err(|e| anyhow::anyhow!("--rotated: {e}"))?;
         }
+        self.validate_residual()?;
         Ok(fmts)
+    }
+
+    /// Checks `--residual`, `--sinks` and `--center` as the cache flags they stand for.
+    fn validate_residual(&self) -> Result<()> {
+        use crate::kv::cache::config::{MAX_RESIDUAL, MAX_SINKS};
+        if self.residual > MAX_RESIDUAL {
+            bail!(
+                "--residual must be between 0 and {MAX_RESIDUAL} (got {})",
+                self.residual
+            );
+        }
+        if self.sinks > MAX_SINKS {
+            bail!(
+                "--sinks must be between 0 and {MAX_SINKS} (got {})",
+                self.sinks
+            );
+        }
+        if (self.sinks > 0 || self.center) && self.residual == 0 {
+            bail!("--sinks and --center time the --residual rows: add --residual N");
+        }
+        if self.residual > 0 && self.seq_lens.is_empty() {
+            bail!("--residual times decode attention: drop --no-attention");
+        }
+        Ok(())
+    }
+
+    /// The label of a mode's row with dense residual rows.
+    pub fn residual_label(&self, mode: &str) -> String {
+        let mut label = format!("{mode} + {} dense", self.residual);
+        if self.sinks > 0 {
+            label += &format!(" + {} sinks", self.sinks);
+        }
+        if self.center {
+            label += ", centred keys";
+        }
+        label
     }
 
     /// Refuses shapes whose tensors (K and V of every layer, and the attention pools) need more
@@ -228,7 +272,8 @@ pub trait Progress {
 /// Steps [`run`] reports, for sizing a progress bar.
 fn total_steps(cfg: &BenchConfig) -> u64 {
     let timed = (cfg.warmup + cfg.repeats) as u64;
-    let modes = 1 + cfg.bits.len() as u64;
+    let schemes = 1 + cfg.rotated as u64;
+    let modes = 1 + cfg.bits.len() as u64 * schemes * (1 + (cfg.residual > 0) as u64);
     1 + timed
         + cfg.bits.len() as u64 * (2 * timed + 1)
         + cfg.seq_lens.len() as u64 * (1 + modes * timed)

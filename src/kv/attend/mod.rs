@@ -39,6 +39,13 @@ pub fn paged_attention(
     let cfg = cache.config();
     let window = cache.layer_window(layer);
     let group = cache.group_of(layer);
+    if softcap.is_some() && cache.centers_keys(layer) {
+        return Err(candle_core::Error::Msg(format!(
+            "layer {layer}: --kv-center shifts every score of a query by the same amount, which \
+             softmax ignores but this model's soft-capping of the scores does not; run without \
+             --kv-center"
+        )));
+    }
     let mut outs: Vec<Option<Tensor>> = vec![None; batch.len()];
     for g in decode.iter().filter(|_| softcap.is_none()) {
         let rot = cache.rotation(layer, g.main);

@@ -15,16 +15,17 @@ use rayon::prelude::*;
 
 use super::decode::{self, HostView, StepTables};
 use super::plan::{DecodeGroup, GroupTables, SeqSlice};
+use crate::kv::cache::residual::Tail;
 use crate::kv::cache::PagedKvCache;
 
-/// The dense rows of one sequence, widened to f32: positions `start..start + k.len() / width`
-/// (the window) and `0..sk.len() / width` (the sinks).
-struct Dense {
+/// What one sequence's tail holds, read before the quantized part is cut short.
+#[derive(Clone, Copy)]
+struct Held {
+    /// First position of the window's rows, and one past its last.
     start: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    sk: Vec<f32>,
-    sv: Vec<f32>,
+    end: usize,
+    /// Sink rows held (positions `0..sinks`).
+    sinks: usize,
 }
 
 /// Attention of decode group `g`'s queries `q` (`[Q, H, D]`, unrotated) over `layer`, whose
@@ -42,25 +43,24 @@ pub(super) fn attend(
 ) -> Result<Tensor> {
     let cfg = cache.config();
     let (n_q, heads, hd) = q.dims3()?;
-    let (kvh, width) = (cfg.num_kv_heads, cfg.width());
-    let group = heads / kvh.max(1);
+    let width = cfg.width();
     let keep = cache.residual(layer);
-    // Each query's sequence, and the dense rows of each member sequence.
+    // Each query's sequence, and what each member sequence's tail holds.
     let mut seq_of = vec![0usize; n_q];
-    let mut dense: Vec<Option<Dense>> = Vec::with_capacity(g.members.len());
+    let mut ids = Vec::with_capacity(g.members.len());
+    let mut held: Vec<Option<Held>> = Vec::with_capacity(g.members.len());
     for (m, &(i, at, n)) in g.members.iter().enumerate() {
         seq_of[at..at + n].fill(m);
         let id = batch
             .get(i)
             .ok_or_else(|| candle_core::Error::Msg(format!("residual: no batch entry {i}")))?
             .seq;
-        dense.push(cache.with_residual(id, layer, |tail| {
-            tail.map(|t| Dense {
+        ids.push(id);
+        held.push(cache.with_residual(id, layer, |tail| {
+            tail.map(|t| Held {
                 start: t.start,
-                k: t.k.to_f32_vec(),
-                v: t.v.to_f32_vec(),
-                sk: t.sink_k.to_f32_vec(),
-                sv: t.sink_v.to_f32_vec(),
+                end: t.end(width),
+                sinks: t.sinks_held(width),
             })
         }));
     }
@@ -71,13 +71,11 @@ pub(super) fn attend(
     let (mut qs, mut lo) = (vec![0u32; n_q], vec![0u32; n_q]);
     for r in 0..n_q {
         let (st, len) = (host.starts[r] as usize, host.lens[r] as usize);
-        let d = dense[seq_of[r]].as_ref();
-        let hs = d.map_or(0, |d| (d.sk.len() / width).min(len));
+        let h = held[seq_of[r]];
+        let hs = h.map_or(0, |h| h.sinks.min(len));
         let q0 = st.max(hs);
-        let l = match d {
-            Some(d) if d.start + d.k.len() / width >= len => {
-                len.saturating_sub(keep).max(d.start).max(q0)
-            }
+        let l = match h {
+            Some(h) if h.end >= len => len.saturating_sub(keep).max(h.start).max(q0),
             _ => len,
         };
         qs[r] = q0.min(l) as u32;
@@ -100,62 +98,142 @@ pub(super) fn attend(
         cache.layer_storage(layer, g.main),
         &step,
         cfg.block_size,
-        kvh,
+        cfg.num_kv_heads,
         scale,
         cache.rotation(layer, g.main),
     )?;
     let mut out: Vec<f32> = oq.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let qv: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    out.par_chunks_mut(heads * hd)
-        .enumerate()
-        .for_each(|(r, o)| {
-            let (st, lo, len) = (
-                host.starts[r] as usize,
-                lo[r] as usize,
-                host.lens[r] as usize,
-            );
-            let Some(d) = dense[seq_of[r]].as_ref() else {
-                return;
-            };
-            // Dense rows: (K, V, index) of the visible sinks, then of the window.
-            let sinks = st..(d.sk.len() / width).min(len);
-            let rows: Vec<(&[f32], &[f32], usize)> = sinks
-                .map(|p| (&d.sk[..], &d.sv[..], p))
-                .chain((lo..len).map(|p| (&d.k[..], &d.v[..], p - d.start)))
-                .collect();
-            if rows.is_empty() {
-                return;
-            }
-            let mut s = vec![0f32; rows.len()];
-            let mut acc = vec![0f32; hd];
-            for h in 0..heads {
-                let col = (h / group) * hd;
-                let qh = &qv[(r * heads + h) * hd..][..hd];
-                for (sj, &(k, _, i)) in s.iter_mut().zip(&rows) {
-                    let row = &k[i * width + col..][..hd];
-                    *sj = scale * qh.iter().zip(row).map(|(a, b)| a * b).sum::<f32>();
-                }
-                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                acc.fill(0.0);
-                let mut z = 0f32;
-                for (&sj, &(_, v, i)) in s.iter().zip(&rows) {
-                    let w = (sj - m).exp();
-                    z += w;
-                    let row = &v[i * width + col..][..hd];
-                    acc.iter_mut().zip(row).for_each(|(a, x)| *a += w * x);
-                }
-                // Merge with the quantized part (log-sum-exp `lq`, output already normalized).
-                let lq = lse[r * heads + h];
-                let ld = m + z.ln();
-                let top = lq.max(ld);
-                let (a, b) = ((lq - top).exp(), (ld - top).exp());
-                let oh = &mut o[h * hd..][..hd];
-                for (x, ac) in oh.iter_mut().zip(&acc) {
-                    *x = (a * *x + b * ac / z) / (a + b);
-                }
-            }
+    let dims = Dims {
+        group: heads / cfg.num_kv_heads.max(1),
+        hd,
+        width,
+        scale,
+    };
+    // Per sequence, under its tail's lock: one task per (query, KV head).
+    for (&(_, at, n), &id) in g.members.iter().zip(&ids) {
+        let rows_out = &mut out[at * heads * hd..(at + n) * heads * hd];
+        cache.with_residual(id, layer, |tail| {
+            let Some(tail) = tail else { return };
+            rows_out
+                .par_chunks_mut(dims.group * hd)
+                .enumerate()
+                .for_each(|(task, o)| {
+                    let r = at + task / cfg.num_kv_heads.max(1);
+                    let kh = task % cfg.num_kv_heads.max(1);
+                    let span = (
+                        host.starts[r] as usize,
+                        lo[r] as usize,
+                        host.lens[r] as usize,
+                    );
+                    let h0 = r * heads + kh * dims.group;
+                    let qh = &qv[h0 * hd..][..dims.group * hd];
+                    let lq = &lse[h0..][..dims.group];
+                    dense_part(tail, kh, span, qh, lq, dims, o);
+                });
         });
+    }
     Tensor::from_vec(out, (n_q, heads, hd), q.device())?.to_dtype(q.dtype())
+}
+
+/// Shapes of the dense part.
+#[derive(Clone, Copy)]
+struct Dims {
+    /// Query heads per KV head.
+    group: usize,
+    hd: usize,
+    width: usize,
+    scale: f32,
+}
+
+/// One query's KV head `kh` over its dense rows — the sinks among `start..` and the window
+/// `lo..len` (`span`) of `tail` — merged into `o` (the group's query heads, `[G, hd]`, holding
+/// the quantized part normalized; its log-sum-exp per head in `lq`). `qh`: the group's queries.
+fn dense_part(
+    tail: &Tail,
+    kh: usize,
+    (st, lo, len): (usize, usize, usize),
+    qh: &[f32],
+    lq: &[f32],
+    d: Dims,
+    o: &mut [f32],
+) {
+    let (hd, w, g) = (d.hd, d.width, d.group);
+    let sinks = st..tail.sinks_held(w).min(len);
+    // Where each dense row's head slice starts: sinks, then the window.
+    let at: Vec<(bool, usize)> = sinks
+        .map(|p| (true, p * w + kh * hd))
+        .chain((lo..len).map(|p| (false, (p - tail.start) * w + kh * hd)))
+        .collect();
+    if at.is_empty() {
+        return;
+    }
+    let n = at.len();
+    let row = |(sink, i): (bool, usize), k: bool, buf: &mut [f32]| {
+        let src = match (sink, k) {
+            (true, true) => &tail.sink_k,
+            (true, false) => &tail.sink_v,
+            (false, true) => &tail.k,
+            (false, false) => &tail.v,
+        };
+        src[i..i + hd].convert_to_f32_slice(buf);
+    };
+    let mut buf = vec![0f32; hd];
+    // Scores `[G, n]`, each row converted once for the group's heads.
+    let mut s = vec![0f32; g * n];
+    for (j, &a) in at.iter().enumerate() {
+        row(a, true, &mut buf);
+        for (jj, q) in qh.chunks_exact(hd).enumerate() {
+            s[jj * n + j] = d.scale * dot(q, &buf);
+        }
+    }
+    // Softmax numerators in place; each head's max and sum.
+    let mut mz = vec![(0f32, 0f32); g];
+    for (sj, mzj) in s.chunks_exact_mut(n).zip(mz.iter_mut()) {
+        let m = sj.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut z = 0f32;
+        for x in sj.iter_mut() {
+            *x = (*x - m).exp();
+            z += *x;
+        }
+        *mzj = (m, z);
+    }
+    let mut acc = vec![0f32; g * hd];
+    for (j, &a) in at.iter().enumerate() {
+        row(a, false, &mut buf);
+        for (jj, acc) in acc.chunks_exact_mut(hd).enumerate() {
+            let wgt = s[jj * n + j];
+            acc.iter_mut().zip(&buf).for_each(|(x, v)| *x += wgt * v);
+        }
+    }
+    // Merge with the quantized part (log-sum-exp `lq`, output already normalized).
+    for (jj, oh) in o.chunks_exact_mut(hd).enumerate() {
+        let (m, z) = mz[jj];
+        let ld = m + z.ln();
+        let top = lq[jj].max(ld);
+        let (a, b) = ((lq[jj] - top).exp(), (ld - top).exp());
+        for (x, ac) in oh.iter_mut().zip(&acc[jj * hd..][..hd]) {
+            *x = (a * *x + b * ac / z) / (a + b);
+        }
+    }
+}
+
+/// `Σ a·b` in eight running sums (so it vectorizes).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            s[i] += x[i] * y[i];
+        }
+    }
+    s.iter().sum::<f32>() + rest
 }
 
 #[cfg(test)]

@@ -67,6 +67,9 @@ pub struct KvOptions {
     pub residual: usize,
     /// `--kv-sinks`: the first this-many positions of a sequence too (needs `residual`).
     pub sinks: usize,
+    /// `--kv-center`: quantized layers store keys minus their sequence's mean
+    /// (`kv::cache::center`).
+    pub center: bool,
 }
 
 impl Default for KvOptions {
@@ -84,6 +87,7 @@ impl Default for KvOptions {
             dense_dtype: None,
             residual: 0,
             sinks: 0,
+            center: false,
         }
     }
 }
@@ -147,6 +151,7 @@ impl KvOptions {
                 (self.scheme.is_some(), "--kv-quant-scheme"),
                 (self.residual > 0, "--kv-residual"),
                 (self.sinks > 0, "--kv-sinks"),
+                (self.center, "--kv-center"),
             ] {
                 if set {
                     return fail(format!(
@@ -173,6 +178,12 @@ impl KvOptions {
         }
         if self.sinks > 0 && self.residual == 0 {
             return fail("--kv-sinks needs --kv-residual (at least 1)");
+        }
+        if self.center && self.quantized_kv_start > 0 {
+            return fail(
+                "--kv-center cannot be combined with --quantized-kv-start (staged rows are kept \
+                 as they come and would be moved uncentred)",
+            );
         }
         if self.residual > 0 && self.quantized_kv_start > 0 {
             return fail(
@@ -313,6 +324,7 @@ impl KvOptions {
         cfg.window = self.max_kv_size;
         cfg.residual = self.residual;
         cfg.sinks = self.sinks;
+        cfg.center = self.center;
         cfg.layer_windows = layer_windows;
         cfg.max_seq_len = Some(max_positions);
         cfg.size_pools(sizing);
@@ -358,6 +370,9 @@ pub struct CacheConfig {
     /// First positions of each sequence every query attends through dense copies
     /// (`--kv-sinks`, attention sinks; only with `residual`).
     pub sinks: usize,
+    /// Quantized layers store keys minus their sequence's mean (`--kv-center`,
+    /// `kv::cache::center`).
+    pub center: bool,
 }
 
 impl CacheConfig {
@@ -383,6 +398,7 @@ impl CacheConfig {
             max_seq_len: None,
             residual: 0,
             sinks: 0,
+            center: false,
         }
     }
 

@@ -7,6 +7,7 @@ impl PagedKvCache {
     /// The stored rows of positions `0..len` of `id`, per layer, exactly as kept (codes stay
     /// codes). Fails if a window already let go of some of them (see [`Self::keep_history`]).
     pub fn export_rows(&self, id: SeqId) -> Result<Vec<LayerRows>> {
+        self.rows_stand_alone()?;
         let s = self.seq(id)?;
         let bs = self.cfg.block_size;
         let mut out: Vec<Option<LayerRows>> = vec![None; self.cfg.num_layers];
@@ -15,7 +16,8 @@ impl PagedKvCache {
             let dropped = table.iter().take_while(|b| b.is_none()).count();
             if dropped > 0 {
                 return Err(CacheError::Rows(format!(
-                    "sequence {id}: its first {} positions already left the {}-token window                      (--max-kv-size or the model's sliding window) of layer {}, so its history \
+                    "sequence {id}: its first {} positions already left the {}-token window \
+                     (--max-kv-size or the model's sliding window) of layer {}, so its history \
                      cannot be exported",
                     (dropped * bs).min(s.len),
                     lg.window.unwrap_or(0),
@@ -44,6 +46,7 @@ impl PagedKvCache {
     /// window frees blocks as it would there and the sequence never holds more blocks than a
     /// prefill of the same tokens would.
     pub fn import_rows(&mut self, id: SeqId, rows: &[LayerRows], chunk: usize) -> Result<()> {
+        self.rows_stand_alone()?;
         let s = self.seq(id)?;
         if s.len != 0 {
             return Err(CacheError::Rows(format!(
@@ -98,6 +101,19 @@ impl PagedKvCache {
             }
             self.advance(id, c)?;
             start += c;
+        }
+        Ok(())
+    }
+
+    /// Refuses to move rows whose meaning depends on the sequence they were written for:
+    /// `--kv-center` keys are minus a mean that stays with that sequence.
+    fn rows_stand_alone(&self) -> Result<()> {
+        if self.cfg.center {
+            return Err(CacheError::Rows(
+                "--kv-center stores keys minus their sequence's own mean, which a prompt-cache \
+                 file does not hold: run without --kv-center to save or use prompt caches"
+                    .into(),
+            ));
         }
         Ok(())
     }

@@ -25,8 +25,10 @@
 //! - [`PagedKvCache::keep_history`]: a sequence whose prompt is to be exported keeps every
 //!   block of it in every group until the step after the prompt is complete.
 
+mod center;
 pub mod config;
 mod export;
+mod fixed;
 pub mod groups;
 mod pools;
 pub mod prefix;
@@ -112,6 +114,8 @@ pub struct PagedKvCache {
     last_slots: Mutex<Vec<Vec<Arc<SlotRows>>>>,
     /// `--kv-residual`: dense copies of each sequence's newest rows per quantized layer.
     tails: residual::Tails,
+    /// `--kv-center`: each sequence's key means per layer.
+    centers: center::Centers,
 }
 
 impl PagedKvCache {
@@ -175,6 +179,7 @@ impl PagedKvCache {
             peak_bytes: 0,
             rotation,
             tails: residual::Tails::default(),
+            centers: center::Centers::default(),
         })
     }
 
@@ -219,6 +224,7 @@ impl PagedKvCache {
     /// Drops a sequence and returns its blocks to their pools at once.
     pub fn remove_sequence(&mut self, id: SeqId) {
         self.tails.remove(id);
+        self.centers.remove(id);
         if let Some(s) = self.seqs.remove(&id) {
             for (g, table) in self.groups.iter_mut().zip(s.tables) {
                 g.give_back(s.pool, table.into_iter().flatten().collect());
@@ -371,6 +377,13 @@ impl PagedKvCache {
         // kernel does both); staging keeps them as they are.
         let rot = self.rotation(layer, true);
         let (g, at) = self.layer_place(layer)?;
+        let centred;
+        let k = if self.centers_keys(layer) {
+            centred = self.centred(layer, spans, k)?;
+            &centred
+        } else {
+            k
+        };
         self.keep_residual(layer, spans, k, v)?;
         // Per pool: which rows of k/v go to which slots, so each pool takes one write per
         // layer (one fused launch per tensor on CUDA) instead of one per sequence and block.
@@ -425,35 +438,6 @@ impl PagedKvCache {
         }
         last[g] = used;
         Ok(())
-    }
-
-    /// Writes a decode step's new rows `k`, `v` (`[n, width]`, row `i` into slot `slots[i]`,
-    /// every sequence in the main pool) through the slots' device copy only
-    /// ([`LayerKv::write_slots_on_device`]): what a captured CUDA graph of the step replays.
-    pub fn write_fixed(
-        &self,
-        layer: usize,
-        slots: &SlotRows,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<()> {
-        let rot = self.rotation(layer, true);
-        Ok(self
-            .layer_storage(layer, true)
-            .write_slots_on_device(slots, k, v, rot)?)
-    }
-
-    /// The K and V pools of `layer` in the main pool when they are dense rows of `dtype`
-    /// stored as they come (no rotation): what a fused kernel may write new rows into itself.
-    pub fn dense_layer(&self, layer: usize, dtype: DType) -> Option<(&Tensor, &Tensor)> {
-        match self.layer_storage(layer, true) {
-            LayerKv::Dense { k, v }
-                if k.dtype() == dtype && self.rotation(layer, true).is_none() =>
-            {
-                Some((k, v))
-            }
-            _ => None,
-        }
     }
 
     /// Records that `n` tokens were appended to `id` (after every layer wrote them), and lets

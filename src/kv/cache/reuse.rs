@@ -33,6 +33,13 @@ impl PagedKvCache {
                     .into(),
             ));
         }
+        if self.cfg.center {
+            return Err(CacheError::Rows(
+                "prefix reuse shares blocks between sequences, but --kv-center stores each \
+                 sequence's keys minus its own mean: it cannot be combined with --kv-center"
+                    .into(),
+            ));
+        }
         if self.cfg.staging.is_some() {
             return Err(CacheError::Rows(
                 "prefix reuse needs whole histories in the main pool: it cannot be combined \

@@ -14,7 +14,8 @@
 //! f32 arithmetic followed by one rounding equals native half arithmetic); f32 output keeps the
 //! f32 product and sum.
 
-use super::pack::{code_of, group_params, min_max, pack32, unpack32};
+use super::fit::{self, Fit};
+use super::pack::{code_of, pack32, unpack32};
 use crate::ops::pool;
 use candle_core::WithDType;
 use half::slice::HalfFloatSliceExt;
@@ -120,35 +121,43 @@ fn rows_per_task(d: usize) -> usize {
     (VALUES_PER_TASK / d).max(1)
 }
 
-/// Quantizes contiguous rows of `d` values of type `X`, the parameters stored as `S`. Output
-/// slices are sized by the caller from the format; every element of them is written.
+/// Quantizes contiguous rows of `d` values of type `X`, the parameters stored as `S` and chosen
+/// as `fit` says. Output slices are sized by the caller from the format; every element of them
+/// is written.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize<X: Elem, S: Elem>(
     x: &[X],
     d: usize,
-    bits: u32,
-    group: usize,
+    (bits, group): (u32, usize),
+    fit: Fit,
     codes: &mut [MaybeUninit<u32>],
     scales: &mut [MaybeUninit<S>],
     biases: &mut [MaybeUninit<S>],
 ) {
+    let out = (codes, scales, biases);
     match bits {
-        2 => quantize_b::<X, S, 2>(x, d, group, codes, scales, biases),
-        3 => quantize_b::<X, S, 3>(x, d, group, codes, scales, biases),
-        4 => quantize_b::<X, S, 4>(x, d, group, codes, scales, biases),
-        5 => quantize_b::<X, S, 5>(x, d, group, codes, scales, biases),
-        6 => quantize_b::<X, S, 6>(x, d, group, codes, scales, biases),
-        8 => quantize_b::<X, S, 8>(x, d, group, codes, scales, biases),
+        2 => quantize_b::<X, S, 2>(x, d, group, fit, out),
+        3 => quantize_b::<X, S, 3>(x, d, group, fit, out),
+        4 => quantize_b::<X, S, 4>(x, d, group, fit, out),
+        5 => quantize_b::<X, S, 5>(x, d, group, fit, out),
+        6 => quantize_b::<X, S, 6>(x, d, group, fit, out),
+        8 => quantize_b::<X, S, 8>(x, d, group, fit, out),
         _ => unreachable!("QuantFormat admits only 2, 3, 4, 5, 6, 8 bits"),
     }
 }
+
+type QuantOut<'a, S> = (
+    &'a mut [MaybeUninit<u32>],
+    &'a mut [MaybeUninit<S>],
+    &'a mut [MaybeUninit<S>],
+);
 
 fn quantize_b<X: Elem, S: Elem, const B: u32>(
     x: &[X],
     d: usize,
     group: usize,
-    codes: &mut [MaybeUninit<u32>],
-    scales: &mut [MaybeUninit<S>],
-    biases: &mut [MaybeUninit<S>],
+    fit: Fit,
+    (codes, scales, biases): QuantOut<'_, S>,
 ) {
     let rpt = rows_per_task(d);
     let (words, groups) = (d * B as usize / 32, d / group);
@@ -168,14 +177,15 @@ fn quantize_b<X: Elem, S: Elem, const B: u32>(
                 biases.piece(i * rpt * groups, rpt * groups),
             )
         };
+        // The least-squares search is scalar (kvq's rotated formats only; see `fit`).
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx2::available() {
+        if fit == Fit::MinMax && crate::simd::avx2::available() {
             // SAFETY: AVX2 and F16C were detected; the block checks its slice lengths.
             return unsafe { x86::quantize_block::<X, S, B>(x, d, group, codes, scales, biases) };
         }
         let zero = S::from_f64(0.0);
         let (codes, scales, biases) = (init(codes, 0), init(scales, zero), init(biases, zero));
-        quantize_task::<X, S, B>(x, d, group, codes, scales, biases)
+        quantize_task::<X, S, B>(x, d, group, fit, codes, scales, biases)
     });
 }
 
@@ -184,6 +194,7 @@ fn quantize_task<X: Elem, S: Elem, const B: u32>(
     x: &[X],
     d: usize,
     group: usize,
+    fit: Fit,
     codes: &mut [u32],
     scales: &mut [S],
     biases: &mut [S],
@@ -210,8 +221,7 @@ fn quantize_task<X: Elem, S: Elem, const B: u32>(
         {
             let buf = &mut buf[..group];
             X::load(xg, buf);
-            let (mn, mx) = min_max(buf);
-            let (mut scale, mut bias) = group_params(mn, mx, n);
+            let (mut scale, mut bias) = fit::params(buf, n, fit);
             if narrow {
                 let mut p = [scale, bias];
                 S::narrow(&mut p);
@@ -386,7 +396,7 @@ mod tests {
         let z = S::from_f64(0.0);
         let (mut c0, mut s0, mut b0) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
         let (mut c1, mut s1, mut b1) = (vec![0u32; nw], vec![z; ng], vec![z; ng]);
-        quantize_task::<X, S, B>(&x, d, group, &mut c0, &mut s0, &mut b0);
+        quantize_task::<X, S, B>(&x, d, group, Fit::MinMax, &mut c0, &mut s0, &mut b0);
         let (c1u, s1u, b1u) = (uninit(&mut c1), uninit(&mut s1), uninit(&mut b1));
         // SAFETY: only reached when AVX2 and F16C are present (checked by the caller).
         unsafe { x86::quantize_block::<X, S, B>(&x, d, group, c1u, s1u, b1u) };

@@ -15,6 +15,7 @@ pub mod affine;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod fit;
 pub mod generic;
 pub mod ops;
 mod pack;
@@ -26,9 +27,11 @@ pub mod tag;
 mod widths;
 
 pub use affine::{QuantError, QuantFormat};
+pub use fit::Fit;
 pub use ops::{
-    dequantize, dequantize_as, fused_rotation, quantize, quantize_as, quantize_into,
-    quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, Quantized, SlotRows,
+    dequantize, dequantize_as, fused_rotation, quantize, quantize_as, quantize_fitted,
+    quantize_into, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, Quantized,
+    SlotRows,
 };
 pub use storage::{LayerKv, LayerRows};
 pub use widths::KvWidths;

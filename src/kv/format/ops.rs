@@ -30,7 +30,7 @@
 use super::cuda;
 pub use super::quantized::Quantized;
 use super::quantized::{check_input, check_quantized, with_last, wrap};
-use super::{cpu, generic, QuantError, QuantFormat};
+use super::{cpu, generic, Fit, QuantError, QuantFormat};
 
 use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 use half::{bf16, f16};
@@ -51,6 +51,17 @@ pub fn quantize(x: &Tensor, fmt: QuantFormat) -> Result<Quantized> {
 /// (a coherent error in every `q·k̂`). A half `x` with the other half type's parameters is
 /// widened to f32 first (exact).
 pub fn quantize_as(x: &Tensor, fmt: QuantFormat, scale_dtype: DType) -> Result<Quantized> {
+    quantize_fitted(x, fmt, scale_dtype, Fit::MinMax)
+}
+
+/// [`quantize_as`] with each group's parameters chosen as `fit` says. [`Fit::LeastSquares`] runs
+/// on the CPU; other backends keep [`Fit::MinMax`] (the same format: only the encoder differs).
+pub fn quantize_fitted(
+    x: &Tensor,
+    fmt: QuantFormat,
+    scale_dtype: DType,
+    fit: Fit,
+) -> Result<Quantized> {
     let (_, d) = check_input(x, fmt, "quantize")?;
     if !matches!(scale_dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(QuantError::DType {
@@ -69,7 +80,7 @@ pub fn quantize_as(x: &Tensor, fmt: QuantFormat, scale_dtype: DType) -> Result<Q
     match x.device() {
         Device::Cpu => {
             let x = x.contiguous()?;
-            quantize_cpu(&x, fmt, d, scale_dtype)
+            quantize_cpu(&x, fmt, d, scale_dtype, fit)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
@@ -169,6 +180,7 @@ pub fn quantize_into(x: &Tensor, fmt: QuantFormat, dst: &Quantized, slots: &Tens
 pub fn quantize_rows_into(
     x: &Tensor,
     fmt: QuantFormat,
+    fit: Fit,
     dst: &Quantized,
     first: usize,
 ) -> Result<()> {
@@ -184,7 +196,7 @@ pub fn quantize_rows_into(
     if n == 0 {
         return Ok(());
     }
-    let q = quantize_as(x, fmt, dst.scales.dtype())?;
+    let q = quantize_fitted(x, fmt, dst.scales.dtype(), fit)?;
     dst.codes.slice_set(&q.codes, 0, first)?;
     dst.scales.slice_set(&q.scales, 0, first)?;
     dst.biases.slice_set(&q.biases, 0, first)
@@ -263,6 +275,7 @@ impl SlotRows {
 pub fn quantize_into_rows(
     x: &Tensor,
     fmt: QuantFormat,
+    fit: Fit,
     dst: &Quantized,
     slots: &SlotRows,
 ) -> Result<()> {
@@ -284,7 +297,7 @@ pub fn quantize_into_rows(
         return cuda::quantize_into_rows(&x, fmt, dst, &slots.on(x.device())?);
     }
     for (i, len) in slot_runs(rows) {
-        quantize_rows_into(&x.narrow(0, i, len)?, fmt, dst, rows[i] as usize)?;
+        quantize_rows_into(&x.narrow(0, i, len)?, fmt, fit, dst, rows[i] as usize)?;
     }
     Ok(())
 }
@@ -396,7 +409,7 @@ pub(crate) fn slot_runs(rows: &[u32]) -> impl Iterator<Item = (usize, usize)> + 
 }
 
 /// [`quantize_as`] on the CPU: input of the scales' dtype, or f32 (the caller widened the rest).
-fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize, sdt: DType) -> Result<Quantized> {
+fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize, sdt: DType, fit: Fit) -> Result<Quantized> {
     let rows = x.elem_count() / d;
     let (words, groups) = (fmt.words_per_row(d), fmt.groups_per_row(d));
     let (storage, layout) = x.storage_and_layout();
@@ -408,7 +421,7 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize, sdt: DType) -> Result<Qu
     fn run<X: cpu::Elem, S: cpu::Elem>(
         x: &[X],
         d: usize,
-        fmt: QuantFormat,
+        (fmt, fit): (QuantFormat, Fit),
         codes: &mut Vec<u32>,
         nc: usize,
         n: usize,
@@ -417,8 +430,8 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize, sdt: DType) -> Result<Qu
         cpu::quantize(
             x,
             d,
-            fmt.bits(),
-            fmt.group_size(),
+            (fmt.bits(), fmt.group_size()),
+            fit,
             &mut codes.spare_capacity_mut()[..nc],
             &mut s.spare_capacity_mut()[..n],
             &mut b.spare_capacity_mut()[..n],
@@ -435,7 +448,7 @@ fn quantize_cpu(x: &Tensor, fmt: QuantFormat, d: usize, sdt: DType) -> Result<Qu
     let n = rows * groups;
     macro_rules! go {
         ($v:expr, $s:ty, $variant:ident) => {{
-            let (s, b) = run::<_, $s>(&$v[lo..hi], d, fmt, &mut codes, nc, n);
+            let (s, b) = run::<_, $s>(&$v[lo..hi], d, (fmt, fit), &mut codes, nc, n);
             (CpuStorage::$variant(s), CpuStorage::$variant(b))
         }};
     }

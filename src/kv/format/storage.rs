@@ -12,7 +12,7 @@ use super::ops::{
     quantize_rows_into, slot_runs, Quantized, SlotRows,
 };
 use super::rotation::Rotation;
-use super::{KvFormat, QuantFormat};
+use super::{Fit, KvFormat, QuantFormat};
 
 /// Storage of one layer: `[slots, width]` per K and V.
 #[derive(Debug, Clone)]
@@ -83,12 +83,13 @@ impl LayerKv {
             LayerKv::Affine {
                 kfmt,
                 vfmt,
+                rotated,
                 k: qk,
                 v: qv,
-                ..
             } => {
-                quantize_rows_into(k, *kfmt, qk, first)?;
-                quantize_rows_into(v, *vfmt, qv, first)
+                let fit = Fit::of(*rotated);
+                quantize_rows_into(k, *kfmt, fit, qk, first)?;
+                quantize_rows_into(v, *vfmt, fit, qv, first)
             }
         }
     }
@@ -101,12 +102,13 @@ impl LayerKv {
             LayerKv::Affine {
                 kfmt,
                 vfmt,
+                rotated,
                 k: qk,
                 v: qv,
-                ..
             } => {
-                quantize_into_rows(k, *kfmt, qk, rows)?;
-                quantize_into_rows(v, *vfmt, qv, rows)
+                let fit = Fit::of(*rotated);
+                quantize_into_rows(k, *kfmt, fit, qk, rows)?;
+                quantize_into_rows(v, *vfmt, fit, qv, rows)
             }
             LayerKv::Dense { k: pk, v: pv } => {
                 if super::scatter::prefer_scatter(pk, rows.as_slice()) {

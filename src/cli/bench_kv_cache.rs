@@ -295,7 +295,7 @@ fn attn_header(r: &Report) -> String {
     let c = &r.config;
     format!(
         "Decode attention, time per layer of a step of {} layer(s) run back to back: batch {} x {} query heads ({} KV heads, GQA {}) x head_dim {}, \
-         blocks of {} tokens in shuffled order; cache {} (scales/biases {}), group {}; device {} ({} threads); \
+         blocks of {} tokens {}; cache {} (scales/biases {}), group {}; device {} ({} threads); \
          medians of {} runs after {} warm-up; error = max |out - dense out|; GB/s = K+V bytes of the context / time",
         c.attn_layers,
         c.batch,
@@ -304,6 +304,11 @@ fn attn_header(r: &Report) -> String {
         c.gqa,
         c.head_dim,
         c.block_size,
+        if c.residual > 0 {
+            "in a whole KV cache's order (--residual: every row through the cache's attention)"
+        } else {
+            "in shuffled order"
+        },
         c.dtype.as_str(),
         c.dtype.as_str(),
         c.group_size,

@@ -119,7 +119,7 @@ pub(super) fn rows(
     let mut rows = Vec::new();
     let mut dense: Option<(Tensor, f64)> = None;
     for (mode, bits, format, dense_rows) in modes {
-        if dense_rows {
+        if cfg.residual > 0 {
             let data = residual::Data {
                 k: &k,
                 v: &v,
@@ -128,9 +128,14 @@ pub(super) fn rows(
                 len,
             };
             let what = format!("attention {mode}, {len} tokens");
-            let (ms, out) = residual::time(cfg, format, &data, device, progress, &what)?;
-            let dense_rows = (cfg.residual + cfg.sinks).min(len) as u64;
-            let copies = cfg.batch as u64 * dense_rows * 2 * (width * 2) as u64;
+            let mode_of = (format, dense_rows);
+            let (ms, out) = residual::time(cfg, mode_of, &data, device, progress, &what)?;
+            let copied = if dense_rows {
+                cfg.residual + cfg.sinks
+            } else {
+                0
+            };
+            let copies = (cfg.batch * copied.min(len) * 2 * width * 2) as u64;
             rows.push(row(
                 &mode,
                 bits,
@@ -144,6 +149,9 @@ pub(super) fn rows(
             if let Some(r) = rows.last_mut() {
                 r.kv_bytes += copies;
                 r.kv_gbps = r.kv_bytes as f64 / (ms * 1e-3) / 1e9;
+            }
+            if dense.is_none() {
+                dense = rows.last().map(|r| (out, r.ms));
             }
             continue;
         }

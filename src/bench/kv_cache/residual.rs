@@ -1,7 +1,8 @@
 //! The attention rows of `kvq bench-kv-cache --residual N` (see the parent module): a decode
-//! step over a whole [`PagedKvCache`] whose quantized layers keep each sequence's newest `N`
-//! rows (and first `--sinks S`) dense, timed through [`paged_attention`] as the model calls it —
-//! the quantized part, the dense part and their merge.
+//! step over a whole [`PagedKvCache`], timed through [`paged_attention`] as the model calls it —
+//! for the rows with dense copies (each sequence's newest `N` rows, and first `--sinks S`) the
+//! quantized part, the dense part and their merge. Every mode of such a run goes through a
+//! cache, so all read blocks in the order the cache hands them out.
 
 use super::{time_ms, BenchConfig, Progress};
 use crate::kv::attend::{paged_attention, plan_decode, SeqSlice};
@@ -22,10 +23,11 @@ pub(super) struct Data<'a> {
 
 /// Median time of one layer's decode attention, and its output (`[batch, heads, head_dim]`),
 /// for a cache of `--attn-layers` layers in `format` holding `batch` sequences of `len`
-/// positions, the last one written as a decode step writes it.
+/// positions, the last one written as a decode step writes it; `dense_rows`: with the run's
+/// `--residual`, `--sinks` and `--center`.
 pub(super) fn time(
     cfg: &BenchConfig,
-    format: KvFormat,
+    (format, dense_rows): (KvFormat, bool),
     data: &Data,
     device: &Device,
     progress: &dyn Progress,
@@ -42,7 +44,9 @@ pub(super) fn time(
         cfg.dtype,
     );
     cc.formats = vec![format; cfg.attn_layers];
-    (cc.residual, cc.sinks, cc.center) = (cfg.residual, cfg.sinks, cfg.center);
+    if dense_rows {
+        (cc.residual, cc.sinks, cc.center) = (cfg.residual, cfg.sinks, cfg.center);
+    }
     let mut cache = PagedKvCache::new(cc, device).context("--residual")?;
     // Sequence b's position p holds the row the dense baseline reads there: slot
     // ids[b·per_seq + p / bs]·bs + p % bs.

@@ -1,5 +1,5 @@
-//! The reduced-precision V pass of the fused CPU decode kernel: 4-bit values in groups of 64
-//! at head_dim 64 or 128, summed with softmax weights held in 8 bits.
+//! The reduced-precision V pass of the fused CPU decode kernel: 4-bit (and 3-bit) values in
+//! groups of 64 at head_dim 64 or 128, summed with softmax weights held in 8 bits.
 //!
 //! Why: the exact V pass rebuilds every code in f32 and spends a float multiply-add per code
 //! and query head — after the 8-bit K pass ([`super::int8`]) the larger half of a 4-bit
@@ -16,6 +16,12 @@
 //! the K pass, the rounding error's share along the codes' mean is put back; `Σ p·b` is exact.
 //! Both passes run where the 8-bit K pass does (`--exact-attention` keeps both exact).
 //!
+//! 3-bit values (the `--kv-bits 3.5` split: 4-bit keys) take the same pass: each tile's rows are
+//! first widened to nibbles ([`widen3`]: three bytes of eight codes to four, in a few shifts
+//! and masks per 64 codes), the mean put back is then 3.5, and the rest is the 4-bit pass. The
+//! exact V pass instead rebuilds every code in f32 per query head — measured at 16K on the
+//! default model's shape, K4/V3 cost ~20% more than 4-bit that way.
+//!
 //! Output order: lane `k` of the `i`-th vector of eight of a group (pass order, [`natural`])
 //! holds one value of the row bytes the interleave puts there; [`finish`] writes each to its
 //! place in the kernel's decoded order.
@@ -26,7 +32,7 @@
 #[cfg(target_arch = "x86_64")]
 use super::int8::{nibbles, nibbles512, Dot};
 #[cfg(target_arch = "x86_64")]
-use super::rows::{Params, Rows};
+use super::rows::Params;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::Simd;
 #[cfg(target_arch = "x86_64")]
@@ -65,6 +71,9 @@ pub(super) struct Dims {
     pub kv_heads: usize,
     /// The pitch of the task's per-head arrays.
     pub pitch: usize,
+    /// Bits of the values' codes (4, or 3 widened to nibbles): the codes' mean `(2^bits − 1) / 2`
+    /// and the kernel's decoded order of the values (interleaved for 4-bit, natural for 3-bit).
+    pub bits: u32,
 }
 
 /// Where value `i` of a group in pass order lies in the group (natural order). Vector `i / 8`
@@ -95,14 +104,16 @@ pub(super) fn start(s: &mut Scratch, d: Dims) {
 }
 
 /// Adds the task's sums to `out` (per KV head `[max (G) | sum (G) | G × head_dim]`, values in
-/// the kernel's decoded order for `lanes`-wide vectors, [`decoded`]).
+/// the kernel's decoded order: for 4-bit rows on `lanes`-wide vectors [`decoded`], for 3-bit
+/// rows natural).
 pub(super) fn finish(s: &Scratch, d: Dims, out: &mut [f32], lanes: usize) {
     let hd = d.groups * GROUP;
     let stride = 2 * d.g + d.g * hd;
     // Pass order → decoded order, once per task (head_dim is at most two groups).
     let mut place = [0usize; 2 * GROUP];
     for (i, p) in place.iter_mut().take(hd).enumerate() {
-        *p = decoded(lanes, i / GROUP * GROUP + natural(i % GROUP));
+        let at = i / GROUP * GROUP + natural(i % GROUP);
+        *p = if d.bits == 4 { decoded(lanes, at) } else { at };
     }
     for kh in 0..d.kv_heads {
         for j in 0..d.g {
@@ -119,20 +130,22 @@ pub(super) fn finish(s: &Scratch, d: Dims, out: &mut [f32], lanes: usize) {
     }
 }
 
-/// One KV head's V tile: positions `t0..t0 + rows.len()` at row offsets `rows`, softmax
-/// numerators `p` (`G` rows at the task's pitch), the task's widened V scales and biases `vp`.
-/// Adds to the task's sums of KV head `kh`.
+/// One KV head's V tile: positions `t0..t0 + rows.len()` whose head rows of 4-bit codes start
+/// at the addresses `rows`, softmax numerators `p` (`G` rows at the task's pitch), the task's
+/// widened V scales and biases `vp` and the head's first group among them, `col`. Adds to the
+/// task's sums of KV head `kh`.
 ///
-/// Safety: as the kernel's V pass; `V` is a 4-bit row view of groups of 64 and head_dim 64 or
+/// Safety: as the kernel's V pass; the rows are 4-bit codes of groups of 64 and head_dim 64 or
 /// 128, `rows.len() <= MAX_TILE`, [`start`] ran for this task, and the CPU has `S`'s and `D`'s
 /// features.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn tile<S: Simd, D: Dot, V: Rows<S>>(
-    v: &V,
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tile<S: Simd, D: Dot>(
     rows: &[usize],
     p: &[f32],
     vp: Params,
+    col: usize,
     (t0, kh): (usize, usize),
     d: Dims,
     s: &mut Scratch,
@@ -140,7 +153,7 @@ pub(super) unsafe fn tile<S: Simd, D: Dot, V: Rows<S>>(
     let n = rows.len();
     for gi in 0..d.groups {
         let at = kh * d.g * d.groups + gi;
-        weights(p, vp, (v.head_group() + gi, t0, n), d, gi, s, at);
+        weights(p, vp, (col + gi, t0, n), d, gi, s, at);
     }
     // Four query heads' sums (16 vectors) need 32 registers.
     let nj = if S::REGS >= 32 { 4 } else { 2 };
@@ -151,10 +164,10 @@ pub(super) unsafe fn tile<S: Simd, D: Dot, V: Rows<S>>(
             while j0 < d.g {
                 let at = (kh, j0, half);
                 match d.g - j0 {
-                    1 => block_wide::<S, D, V, 1>(v, rows, at, d, s),
-                    2 => block_wide::<S, D, V, 2>(v, rows, at, d, s),
-                    3 => block_wide::<S, D, V, 3>(v, rows, at, d, s),
-                    _ => block_wide::<S, D, V, 4>(v, rows, at, d, s),
+                    1 => block_wide::<D, 1>(rows, at, d, s),
+                    2 => block_wide::<D, 2>(rows, at, d, s),
+                    3 => block_wide::<D, 3>(rows, at, d, s),
+                    _ => block_wide::<D, 4>(rows, at, d, s),
                 }
                 j0 += 4;
             }
@@ -167,10 +180,10 @@ pub(super) unsafe fn tile<S: Simd, D: Dot, V: Rows<S>>(
             while j0 < d.g {
                 let at = (kh, j0, gi, half);
                 match (d.g - j0).min(nj) {
-                    1 => block::<S, D, V, 1>(v, rows, at, d, s),
-                    2 => block::<S, D, V, 2>(v, rows, at, d, s),
-                    3 => block::<S, D, V, 3>(v, rows, at, d, s),
-                    _ => block::<S, D, V, 4>(v, rows, at, d, s),
+                    1 => block::<D, 1>(rows, at, d, s),
+                    2 => block::<D, 2>(rows, at, d, s),
+                    3 => block::<D, 3>(rows, at, d, s),
+                    _ => block::<D, 4>(rows, at, d, s),
                 }
                 j0 += nj;
             }
@@ -194,7 +207,7 @@ unsafe fn load8(p: *const f32, n: usize) -> __m256 {
 /// Group `gi` (slot group `col`) of a tile of `n` positions from `t0`, every query head `j`:
 /// writes the 8-bit weights `round(p·s / ω)` in −127..=127 (scales may be negative: MLX's edge
 /// rule; zeros past `n`) and `ω = max |p·s| / 127`, and adds the shared part
-/// `Σ p·b + 7.5·Σ (p·s − ω·w8)` to its eight partial sums (from `(KV head, 0, gi)` = `at`).
+/// `Σ p·b + mid·Σ (p·s − ω·w8)` to its eight partial sums (from `(KV head, 0, gi)` = `at`).
 /// The tile's scales and biases are gathered once for all query heads.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
@@ -268,7 +281,8 @@ unsafe fn weights(
         *s.omega.get_unchecked_mut(j * d.groups + gi) =
             _mm_cvtss_f32(_mm256_castps256_ps128(omega));
         let sh = s.shared.as_mut_ptr().add((at + j * d.groups) * 8);
-        let part = _mm256_fmadd_ps(err, _mm256_set1_ps(7.5), pb);
+        let mid = ((1u32 << d.bits) - 1) as f32 / 2.0;
+        let part = _mm256_fmadd_ps(err, _mm256_set1_ps(mid), pb);
         _mm256_storeu_ps(sh, _mm256_add_ps(_mm256_loadu_ps(sh), part));
     }
 }
@@ -278,8 +292,7 @@ unsafe fn weights(
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn block<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
-    v: &V,
+unsafe fn block<D: Dot, const NJ: usize>(
     rows: &[usize],
     (kh, j0, gi, half): (usize, usize, usize, usize),
     d: Dims,
@@ -294,8 +307,8 @@ unsafe fn block<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
     while t < n {
         // Rows past the tile repeat its last (their weights are zero).
         let x: [__m256i; 4] = std::array::from_fn(|r| {
-            let row = *rows.get_unchecked((t + r).min(n - 1));
-            _mm256_loadu_si256(v.row_bytes(row).add(32 * gi) as *const __m256i)
+            let row = *rows.get_unchecked((t + r).min(n - 1)) as *const u8;
+            _mm256_loadu_si256(row.add(32 * gi) as *const __m256i)
         });
         let (a, b) = if half == 0 {
             (
@@ -345,8 +358,7 @@ unsafe fn block<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn block_wide<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
-    v: &V,
+unsafe fn block_wide<D: Dot, const NJ: usize>(
     rows: &[usize],
     (kh, j0, half): (usize, usize, usize),
     d: Dims,
@@ -358,8 +370,8 @@ unsafe fn block_wide<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
     let mut t = 0;
     while t < n {
         let x: [__m512i; 4] = std::array::from_fn(|r| {
-            let row = *rows.get_unchecked((t + r).min(n - 1));
-            _mm512_loadu_si512(v.row_bytes(row) as *const __m512i)
+            let row = *rows.get_unchecked((t + r).min(n - 1)) as *const u8;
+            _mm512_loadu_si512(row as *const __m512i)
         });
         let (a, b) = if half == 0 {
             (
@@ -417,8 +429,54 @@ unsafe fn block_wide<S: Simd, D: Dot, V: Rows<S>, const NJ: usize>(
     }
 }
 
+/// Widens the 3-bit head rows at the addresses `rows` (`groups` groups of 64 codes, 24 bytes
+/// each) into 4-bit rows of `32 · groups` bytes in `out`, one after the other, and points `rows`
+/// at them. Eight codes take three bytes (LSB first) and become four: in each 32-bit lane the
+/// 12-bit halves move 16 bits apart, then the 6-bit quarters 8 bits apart, then each 3-bit
+/// code to its nibble.
+///
+/// Safety: every address is a row of at least `24 · groups` readable bytes; the CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn widen3(rows: &mut [usize], groups: usize, out: &mut Vec<u8>) {
+    let rb = 32 * groups;
+    out.resize(rows.len() * rb, 0);
+    // Low 128 bits from bytes 0..16 (lanes take 0..12), high from bytes 8..24 (lanes 12..24).
+    let pick = _mm256_setr_epi8(
+        0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1, //
+        4, 5, 6, -1, 7, 8, 9, -1, 10, 11, 12, -1, 13, 14, 15, -1,
+    );
+    let m = |x: i32| _mm256_set1_epi32(x);
+    for (i, r) in rows.iter_mut().enumerate() {
+        let src = *r as *const u8;
+        let dst = out.as_mut_ptr().add(i * rb);
+        for gi in 0..groups {
+            let g = src.add(24 * gi);
+            let lo = _mm_loadu_si128(g as *const __m128i);
+            let hi = _mm_loadu_si128(g.add(8) as *const __m128i);
+            let x = _mm256_shuffle_epi8(_mm256_set_m128i(hi, lo), pick);
+            let x = _mm256_or_si256(
+                _mm256_and_si256(x, m(0x0000_0FFF)),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(x, m(0x00FF_F000))),
+            );
+            let x = _mm256_or_si256(
+                _mm256_and_si256(x, m(0x003F_003F)),
+                _mm256_slli_epi32::<2>(_mm256_and_si256(x, m(0x0FC0_0FC0))),
+            );
+            let x = _mm256_or_si256(
+                _mm256_and_si256(x, m(0x0707_0707)),
+                _mm256_slli_epi32::<1>(_mm256_and_si256(x, m(0x3838_3838))),
+            );
+            _mm256_storeu_si256(dst.add(32 * gi) as *mut __m256i, x);
+        }
+        *r = dst as usize;
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[cfg(target_arch = "x86_64")]
+    use super::widen3;
     use super::{decoded, natural};
 
     /// Pass order covers each value of a group once.
@@ -440,6 +498,38 @@ mod tests {
             for i in 0..128 {
                 let p = decoded(lanes, i);
                 assert_eq!(crate::simd::element(4, lanes, p / lanes, p % lanes), i);
+            }
+        }
+    }
+
+    /// Widened 3-bit rows hold each code in its nibble, 4-bit stream order, for one and two
+    /// groups a row.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn widen3_puts_each_code_in_its_nibble() {
+        if !crate::simd::avx2::available() {
+            return;
+        }
+        for groups in [1usize, 2] {
+            let n = 64 * groups;
+            let codes: Vec<u8> = (0..n).map(|i| ((i * 37 + i / 7) % 8) as u8).collect();
+            // LSB-first 3-bit stream.
+            let mut packed = vec![0u8; 3 * n / 8];
+            for (k, &c) in codes.iter().enumerate() {
+                for b in 0..3 {
+                    let bit = 3 * k + b;
+                    packed[bit / 8] |= ((c >> b) & 1) << (bit % 8);
+                }
+            }
+            let mut rows = vec![packed.as_ptr() as usize; 3];
+            let mut out = Vec::new();
+            // SAFETY: AVX2 is present; each row holds 24 bytes a group.
+            unsafe { widen3(&mut rows, groups, &mut out) };
+            for (i, &r) in rows.iter().enumerate() {
+                // SAFETY: widen3 points each row at 32 bytes a group of `out`.
+                let got = unsafe { std::slice::from_raw_parts(r as *const u8, 32 * groups) };
+                let want: Vec<u8> = codes.chunks(2).map(|p| p[0] | p[1] << 4).collect();
+                assert_eq!(got, want.as_slice(), "groups {groups} row {i}");
             }
         }
     }

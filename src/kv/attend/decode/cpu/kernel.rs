@@ -17,8 +17,8 @@
 //! - V pass, in tiles of positions ([`tile_len`]) and blocks of up to four vector columns (16
 //!   accumulators for four query heads; two columns with 16 registers), rows rebuilt as in the
 //!   K pass.
-//! - Where the keys take the 8-bit query pass ([`int8`]) and the values are 4-bit too, the V
-//!   pass sums codes against 8-bit weights instead ([`int8v`]), tile by tile.
+//! - Where the keys take the 8-bit query pass ([`int8`]) and the values are 4-bit or 3-bit, the
+//!   V pass sums codes against 8-bit weights instead ([`int8v`]), tile by tile.
 //!
 //! Query heads are processed in chunks of up to four (`NJ`, a compile-time size so the
 //! accumulators stay in registers); a row is decoded once per chunk.
@@ -77,8 +77,13 @@ pub(super) struct Scratch {
     /// Widened K and V scales and biases ([`Params`]).
     k_params: Vec<f32>,
     v_params: Vec<f32>,
-    /// The 8-bit-weight V pass's ([`int8v`]).
+    /// The 8-bit-weight V pass's ([`int8v`]): its sums, a tile's row addresses and 3-bit rows
+    /// widened to nibbles.
     v8: int8v::Scratch,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    at: Vec<usize>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    nibbles: Vec<u8>,
 }
 
 /// Distance between the per-(head, group) arrays over a task's `n` positions: a multiple of 16
@@ -173,13 +178,15 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
         softmax_rows(sc, n, np, m, l);
         acc.fill(0.0);
     }
-    // 4-bit values where the keys took the 8-bit pass: the 8-bit-weight V pass ([`int8v`]).
-    let int_v = D::INT && V::BITS == 4 && qi.is_some();
+    // 4-bit (or 3-bit) values where the keys took the 8-bit pass: the 8-bit-weight V pass
+    // ([`int8v`]).
+    let int_v = D::INT && matches!(V::BITS, 3 | 4) && qi.is_some();
     let vd = int8v::Dims {
         g,
         groups: sh.groups,
         kv_heads: kvh,
         pitch: np,
+        bits: V::BITS,
     };
     if int_v {
         int8v::start(&mut scratch.v8, vd);
@@ -199,7 +206,14 @@ pub(super) unsafe fn task<S: Simd, K: Rows<S>, V: Rows<S>, D: Dot>(
             #[cfg(target_arch = "x86_64")]
             if int_v {
                 let p = &scores[kh * g * np..][..g * np];
-                int8v::tile::<S, D, V>(v, rows, p, vp, (t0, kh), vd, &mut scratch.v8);
+                let at = &mut scratch.at;
+                at.clear();
+                at.extend(rows.iter().map(|&r| v.row_bytes(r) as usize));
+                if V::BITS == 3 {
+                    int8v::widen3(at, sh.groups, &mut scratch.nibbles);
+                }
+                let col = v.head_group();
+                int8v::tile::<S, D>(at, p, vp, col, (t0, kh), vd, &mut scratch.v8);
                 continue;
             }
             let tile = Tile {

@@ -241,7 +241,7 @@ fn grid_queries(rows: usize, hd: usize, scale: f32, seed: u32) -> Vec<f32> {
 
 /// The 8-bit K pass (every implementation this CPU has) matches the generic reference on
 /// queries it holds exactly, at head_dim 64 and 128, GQA 1, 3 and 8 (query-head chunks of 1,
-/// 3 and 4 + 4), 4-bit keys with 3-bit values (the exact V pass), ragged lengths (tasks of several
+/// 3 and 4 + 4), 4-bit keys with 4-bit and 3-bit values, ragged lengths (tasks of several
 /// chunks, an odd last row); with f16 and bf16 scales it matches the exact pass.
 #[test]
 fn int8_keys_match_reference_on_grid_queries() {
@@ -253,16 +253,17 @@ fn int8_keys_match_reference_on_grid_queries() {
         for g in [1usize, 3, 8] {
             let q = grid_queries(3 * kvh * g, hd, scale, 19 + g as u32);
             let q = Tensor::from_vec(q, (3, kvh * g, hd), &Device::Cpu).unwrap();
-            // (4-bit values take the 8-bit-weight V pass: `int8_values_…` below.)
-            for vb in [3u32] {
+            // The values take the 8-bit-weight V pass; with their scales zero each output is
+            // `Σ p·b / Σ p`, which that pass sums exactly, so only the K pass is under test.
+            for vb in [4u32, 3] {
                 let fmt = |b| QuantFormat::new(b, 64).unwrap();
                 let pool = |scale_dtype| {
-                    f.pool(KvFormat::Affine {
+                    zero_value_scales(f.pool(KvFormat::Affine {
                         key: fmt(4),
                         value: fmt(vb),
                         scale_dtype,
                         rotated: false,
-                    })
+                    }))
                 };
                 let kv = pool(DType::F32);
                 let all: Vec<usize> = (0..3).collect();
@@ -291,6 +292,29 @@ fn int8_keys_match_reference_on_grid_queries() {
     }
 }
 
+/// `kv` with every V scale zero: each value is its group's bias.
+fn zero_value_scales(kv: LayerKv) -> LayerKv {
+    match kv {
+        LayerKv::Affine {
+            kfmt,
+            vfmt,
+            rotated,
+            k,
+            mut v,
+        } => {
+            v.scales = v.scales.zeros_like().unwrap();
+            LayerKv::Affine {
+                kfmt,
+                vfmt,
+                rotated,
+                k,
+                v,
+            }
+        }
+        dense => dense,
+    }
+}
+
 /// Off the grid the 8-bit passes differ from the exact ones by the query's and the weights'
 /// rounding only: close (uniform data, where outputs are small averages: under 2% of the
 /// largest), and not the same bits (the passes run where asked).
@@ -300,24 +324,28 @@ fn int8_passes_round_queries_and_weights() {
     let f = Fixture::new(&[(0, 300)], 19, kvh, hd, 23);
     let q = values(kvh * g * hd, 29);
     let q = Tensor::from_vec(q, (1, kvh * g, hd), &Device::Cpu).unwrap();
-    let kv = f.pool(KvFormat::affine(
-        QuantFormat::new(4, 64).unwrap(),
-        DType::F32,
-        false,
-    ));
-    let (dims, t) = f.call(&q, &kv, &[0]);
     let flat = |x: Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1().unwrap() };
-    for isa in Isa::all_available() {
-        let exact = flat(decode_with(&q, &kv, &dims, &t, 0.125, isa, Keys::Exact).unwrap());
-        for keys in int_passes(isa) {
-            let got = flat(decode_with(&q, &kv, &dims, &t, 0.125, isa, keys).unwrap());
-            let err = contract_err(&got, &exact);
-            assert!(err > 0.0 && err < 2e-2, "{isa:?} {keys:?}: {err}");
+    // 4-bit values, and 3-bit ones (widened to nibbles for the same pass).
+    for vbits in [4, 3] {
+        let kv = f.pool(KvFormat::Affine {
+            key: QuantFormat::new(4, 64).unwrap(),
+            value: QuantFormat::new(vbits, 64).unwrap(),
+            scale_dtype: DType::F32,
+            rotated: false,
+        });
+        let (dims, t) = f.call(&q, &kv, &[0]);
+        for isa in Isa::all_available() {
+            let exact = flat(decode_with(&q, &kv, &dims, &t, 0.125, isa, Keys::Exact).unwrap());
+            for keys in int_passes(isa) {
+                let got = flat(decode_with(&q, &kv, &dims, &t, 0.125, isa, keys).unwrap());
+                let err = contract_err(&got, &exact);
+                assert!(err > 0.0 && err < 2e-2, "V{vbits} {isa:?} {keys:?}: {err}");
+            }
         }
     }
 }
 
-/// The 8-bit passes together (4-bit keys and values) match the generic reference where both
+/// The 8-bit passes together (4-bit keys, 4-bit or 3-bit values) match the generic reference where both
 /// hold their inputs exactly: one-hot queries (the K pass's grid), keys that give each query
 /// head a score of 0 or −100 per position (numerators 1 or ~0, a pattern per head), and V
 /// scales `s0·k/127` for integers `k`, ±127 at every even slot (so every tile's weights are on
@@ -325,11 +353,18 @@ fn int8_passes_round_queries_and_weights() {
 /// GQA 1, 3 and 8, ragged lengths (tiles cut short), every implementation this CPU has.
 #[test]
 fn int8_values_match_reference_on_grid_weights() {
+    for vbits in [4, 3] {
+        int8_values_on_grid_weights(vbits);
+    }
+}
+
+fn int8_values_on_grid_weights(vbits: u32) {
     let flat = |x: Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1().unwrap() };
     let fmt = QuantFormat::new(4, 64).unwrap();
+    let vfmt = QuantFormat::new(vbits, 64).unwrap();
     let format = KvFormat::Affine {
         key: fmt,
-        value: fmt,
+        value: vfmt,
         scale_dtype: DType::F32,
         rotated: false,
     };
@@ -377,7 +412,7 @@ fn int8_values_match_reference_on_grid_weights() {
                     v.scales = Tensor::from_vec(scales, (slots, groups), &Device::Cpu).unwrap();
                     LayerKv::Affine {
                         kfmt: fmt,
-                        vfmt: fmt,
+                        vfmt,
                         rotated: false,
                         k,
                         v,
@@ -392,7 +427,10 @@ fn int8_values_match_reference_on_grid_weights() {
                 for keys in int_passes(isa) {
                     let got = flat(decode_with(&q, &kv, &dims, &t, 1.0, isa, keys).unwrap());
                     let err = contract_err(&got, &want);
-                    assert!(err < 1e-4, "hd{hd} GQA {g} {isa:?} {keys:?}: {err}");
+                    assert!(
+                        err < 1e-4,
+                        "V{vbits} hd{hd} GQA {g} {isa:?} {keys:?}: {err}"
+                    );
                 }
             }
         }

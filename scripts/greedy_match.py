@@ -20,6 +20,9 @@ settings = {
     "split3.5+r64": ["--kv-bits", "3.5", "--kv-residual", "64"],
     "split3.5+r60s4": ["--kv-bits", "3.5", "--kv-residual", "60", "--kv-sinks", "4"],
     "rotated4+r32": ["--kv-bits", "4", "--kv-residual", "32"],
+    "split3.5+r60s4c": ["--kv-bits", "3.5", "--kv-residual", "60", "--kv-sinks", "4", "--kv-center"],
+    "split2.5+r60s4c": ["--kv-bits", "2.5", "--kv-residual", "60", "--kv-sinks", "4", "--kv-center"],
+    "rotated4c": ["--kv-bits", "4", "--kv-center"],
 }
 import sys
 if sys.argv[1:]:

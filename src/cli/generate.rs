@@ -351,8 +351,8 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
             *most = (*most).max(now);
         }
         if let (Some(path), Some(ident)) = (&args.save_prompt_cache, &identity) {
-            if let Some(rows) = engine.take_prompt_kv(id) {
-                write_prompt_cache(path, m, ident, &prompt, &rows)?;
+            if let Some(kv) = engine.take_prompt_kv(id) {
+                write_prompt_cache(path, m, ident, &prompt, &kv)?;
                 if !args.json {
                     eprintln!(
                         "prompt cache: saved {} tokens to {}",

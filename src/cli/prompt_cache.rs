@@ -24,7 +24,7 @@ use crate::engine::request::CachedPrefix;
 use crate::kv::cache::prompt_file::{
     reusable_prefix, save, ModelIdentity, PromptCacheFile, PromptCacheMeta,
 };
-use crate::kv::cache::CacheConfig;
+use crate::kv::cache::{CacheConfig, PromptKv};
 use crate::kv::format::LayerRows;
 use crate::model::load::LoadedModel;
 
@@ -44,9 +44,6 @@ impl CacheFiles {
         model: &ModelIdentity,
         cfg: &CacheConfig,
     ) -> Result<CachedPrefix> {
-        if cfg.center {
-            bail!("{CENTRED}: run without --kv-center to start from one");
-        }
         if cfg.residual > 0 {
             bail!(
                 "--prompt-cache cannot start a run with --kv-residual {}: the file holds the \
@@ -64,6 +61,19 @@ impl CacheFiles {
             }
         };
         file.check_model(model)?;
+        match (file.meta().centred(), cfg.center) {
+            (true, false) => bail!(
+                "prompt cache {} holds keys stored centred (saved with --kv-center): start from \
+                 it with --kv-center",
+                path.display()
+            ),
+            (false, true) => bail!(
+                "prompt cache {} holds keys stored as they are: start from it without \
+                 --kv-center (or save it again with --kv-center)",
+                path.display()
+            ),
+            _ => {}
+        }
         let mut tokens = reusable_prefix(file.tokens(), prompt);
         if let Some(w) = cfg.window {
             // With --max-kv-size W a position at or past W attends only the last W positions,
@@ -103,17 +113,9 @@ impl CacheFiles {
     }
 }
 
-/// Why prompt caches and `--kv-center` do not mix.
-const CENTRED: &str = "--kv-center stores keys minus their sequence's own mean, which a \
-                        prompt-cache file does not hold";
-
 /// Refuses to save where the cache could not hold the whole prompt (a sliding window shorter
-/// than the prompt drops its first tokens before the prefill ends) or where its rows are
-/// centred (`--kv-center`).
+/// than the prompt drops its first tokens before the prefill ends).
 pub fn check_can_save(cfg: &CacheConfig, prompt_tokens: usize) -> Result<()> {
-    if cfg.center {
-        bail!("{CENTRED}: run without --kv-center to save one");
-    }
     if let Some(w) = cfg.kept_window() {
         if prompt_tokens >= w {
             bail!(
@@ -126,14 +128,16 @@ pub fn check_can_save(cfg: &CacheConfig, prompt_tokens: usize) -> Result<()> {
     Ok(())
 }
 
-/// Writes `rows` (the prompt's K/V as stored) with what identifies them.
+/// Writes a prompt's K/V as stored (its rows, and the key means of centred keys) with what
+/// identifies them.
 pub fn write(
     path: &Path,
     m: &LoadedModel,
     identity: &ModelIdentity,
     prompt: &[u32],
-    rows: &[LayerRows],
+    kv: &PromptKv,
 ) -> Result<()> {
+    let rows = &kv.rows;
     let meta = PromptCacheMeta {
         fingerprint: identity.fingerprint.clone(),
         model: m.description.clone(),
@@ -143,6 +147,7 @@ pub fn write(
         head_dim: identity.head_dim,
         formats: rows.iter().map(LayerRows::format).collect(),
         tokens: prompt.to_vec(),
+        centers: kv.centers.clone(),
     };
     save(&super::output_file::replace_target(path), &meta, rows)?;
     Ok(())

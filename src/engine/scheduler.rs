@@ -25,8 +25,7 @@ use super::device_greedy::{greedy_picks, is_plain_greedy, nan_error};
 use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
 use super::stats::Stats;
-use crate::kv::cache::{Blocks, PagedKvCache, SeqId};
-use crate::kv::format::LayerRows;
+use crate::kv::cache::{Blocks, PagedKvCache, PromptKv, SeqId};
 use crate::model::llama::{Llama, LogitsFor, SeqInput};
 
 /// Scheduling limits.
@@ -77,7 +76,7 @@ pub struct Engine<'m> {
     prefixes: HashMap<SeqId, CachedPrefix>,
     /// Requests whose prompt rows are to be exported once prefilled, and those exported.
     keep_prompt: HashSet<SeqId>,
-    prompt_kv: HashMap<SeqId, Vec<LayerRows>>,
+    prompt_kv: HashMap<SeqId, PromptKv>,
     /// Why requests that ended with [`FinishReason::Error`] failed (taken by the front end).
     errors: HashMap<SeqId, String>,
     /// Decode no sequence while another is still prefilling (see [`Engine::prefill_first`]).
@@ -199,7 +198,7 @@ impl<'m> Engine<'m> {
     }
 
     /// The prompt rows of `id`, once its prefill has completed (per layer, as stored).
-    pub fn take_prompt_kv(&mut self, id: SeqId) -> Option<Vec<LayerRows>> {
+    pub fn take_prompt_kv(&mut self, id: SeqId) -> Option<PromptKv> {
         self.prompt_kv.remove(&id)
     }
 
@@ -335,6 +334,12 @@ impl<'m> Engine<'m> {
     /// Puts a prompt cache's rows into the new sequence `id`.
     fn import_prefix(&mut self, id: SeqId, p: &CachedPrefix) -> Result<()> {
         let rows = p.file.load_rows(p.tokens, self.cache.device())?;
+        let centers = &p.file.meta().centers;
+        if !centers.is_empty() {
+            self.cache
+                .import_centers(id, centers)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", p.file.path().display()))?;
+        }
         self.cache
             .import_rows(id, &rows, self.cfg.prefill_chunk)
             .map_err(|e| anyhow::anyhow!("{}: {e}", p.file.path().display()))?;
@@ -462,8 +467,11 @@ impl<'m> Engine<'m> {
                 self.cache.register_prefix(id, &r.req.prompt)?;
             }
             if self.keep_prompt.remove(&id) {
-                let rows = self.cache.export_rows(id)?;
-                self.prompt_kv.insert(id, rows);
+                let kv = PromptKv {
+                    rows: self.cache.export_rows(id)?,
+                    centers: self.cache.export_centers(id)?,
+                };
+                self.prompt_kv.insert(id, kv);
             }
         }
         for id in done {

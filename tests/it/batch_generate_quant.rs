@@ -116,7 +116,7 @@ fn run(
         peak_running = peak_running.max(engine.num_running());
         for &id in &ids {
             if let Some(r) = engine.take_prompt_kv(id) {
-                rows.insert(id, stored(&r));
+                rows.insert(id, stored(&r.rows));
             }
         }
     }

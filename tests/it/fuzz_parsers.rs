@@ -269,6 +269,7 @@ fn prompt_cache_seed(dir: &std::path::Path) -> Vec<u8> {
         head_dim: 32,
         formats: vec![kvq::kv::format::KvFormat::Dense(DType::F32); 2],
         tokens: vec![1, 2, 3, 4, 5],
+        centers: Vec::new(),
     };
     let p = dir.join("seed.safetensors");
     save(&p, &meta, &[rows(0.1), rows(0.2)]).unwrap();

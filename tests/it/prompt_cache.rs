@@ -424,22 +424,33 @@ fn kv_residual_saves_a_prompt_file_and_refuses_to_start_from_one() {
     );
 }
 
-/// Centred keys (`--kv-center`) are minus their sequence's own mean, which a prompt file does not
-/// hold: saving one is refused before anything is written.
+/// Centred keys (`--kv-center`) are saved with their sequence's key means, and a run started
+/// from the file takes them along: it generates what a fresh run does (the saved prompt holds a
+/// whole first block, 16 tokens, so both fix their means from the same rows) and stores the same
+/// rows. A file of centred keys is refused without `--kv-center`, and a plain one with it.
 #[test]
-fn kv_center_refuses_to_save_a_prompt_file() {
+fn kv_center_prompt_files_carry_their_key_means() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("c.safetensors");
-    let e = generate_err(
-        SHORT,
-        &[
-            "--kv-bits",
-            "4",
-            "--kv-center",
-            "--save-prompt-cache",
-            path.to_str().unwrap(),
-        ],
+    let kv = ["--kv-bits", "3.5", "--kv-center"];
+    let (file, saved) = save(dir.path(), "c.safetensors", SHORT_B, &kv);
+    assert!(saved.len() >= 16, "{} tokens", saved.len());
+    let mut with = kv.to_vec();
+    with.extend(["--prompt-cache", file.to_str().unwrap()]);
+    let fresh = generate(LONG_B, 16, &kv);
+    let cached = generate(LONG_B, 16, &with);
+    assert_eq!(cached["stats"]["cached_tokens"], saved.len());
+    assert_eq!(ids(&cached["tokens"]), ids(&fresh["tokens"]));
+    let (long_file, _) = save(dir.path(), "long.safetensors", LONG_B, &kv);
+    assert_eq!(
+        leading_rows(&file, saved.len()),
+        leading_rows(&long_file, saved.len())
     );
-    assert!(e.contains("--kv-center stores keys minus"), "{e}");
-    assert!(!path.exists());
+    let plain = ["--kv-bits", "3.5", "--prompt-cache", file.to_str().unwrap()];
+    let e = generate_err(LONG_B, &plain);
+    assert!(e.contains("start from it with --kv-center"), "{e}");
+    let (plain_file, _) = save(dir.path(), "p.safetensors", SHORT_B, &["--kv-bits", "3.5"]);
+    let mut centred = kv.to_vec();
+    centred.extend(["--prompt-cache", plain_file.to_str().unwrap()]);
+    let e = generate_err(LONG_B, &centred);
+    assert!(e.contains("start from it without --kv-center"), "{e}");
 }

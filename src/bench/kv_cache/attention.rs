@@ -119,7 +119,9 @@ pub(super) fn rows(
     let mut rows = Vec::new();
     let mut dense: Option<(Tensor, f64)> = None;
     for (mode, bits, format, dense_rows) in modes {
-        if cfg.residual > 0 {
+        let what = format!("attention {mode}, {len} tokens");
+        // (time per layer, output, bytes of dense copies read besides the rows).
+        let (ms, out, copies) = if cfg.residual > 0 {
             let data = residual::Data {
                 k: &k,
                 v: &v,
@@ -127,88 +129,56 @@ pub(super) fn rows(
                 ids: &ids,
                 len,
             };
-            let what = format!("attention {mode}, {len} tokens");
             let mode_of = (format, dense_rows);
             let (ms, out) = residual::time(cfg, mode_of, &data, device, progress, &what)?;
             let copied = if dense_rows {
-                cfg.residual + cfg.sinks
+                (cfg.residual + cfg.sinks).min(len)
             } else {
                 0
             };
-            let copies = (cfg.batch * copied.min(len) * 2 * width * 2) as u64;
-            rows.push(row(
-                &mode,
-                bits,
-                len,
-                ms,
-                &out,
-                dense.as_ref(),
-                format,
-                width,
-            )?);
-            if let Some(r) = rows.last_mut() {
-                r.kv_bytes += copies;
-                r.kv_gbps = r.kv_bytes as f64 / (ms * 1e-3) / 1e9;
+            (ms, out, (batch * copied * 2 * width * 2) as u64)
+        } else {
+            let rot = rotation.as_ref().filter(|_| format.is_rotated());
+            let stored = |x: &Tensor| -> Result<Tensor> {
+                let x = x.to_device(device)?;
+                Ok(match rot {
+                    Some(r) => r.rotate(&x)?,
+                    None => x,
+                })
+            };
+            // One pool per layer of the step (same contents, own memory, so no layer reads
+            // another's bytes from cache), written in slices so the device never holds a second
+            // f32 copy.
+            let mut pools = Vec::with_capacity(cfg.attn_layers);
+            for _ in 0..cfg.attn_layers {
+                let pool = LayerKv::zeros(format, slots, width, device)?;
+                let step = (1 << 24) / width.max(1);
+                let mut first = 0;
+                while first < slots {
+                    let n = step.min(slots - first);
+                    pool.write_run(
+                        first,
+                        &stored(&k.narrow(0, first, n)?)?,
+                        &stored(&v.narrow(0, first, n)?)?,
+                    )?;
+                    first += n;
+                }
+                pools.push(pool);
             }
-            if dense.is_none() {
-                dense = rows.last().map(|r| (out, r.ms));
-            }
-            continue;
-        }
-        let rot = rotation.as_ref().filter(|_| format.is_rotated());
-        let stored = |x: &Tensor| -> Result<Tensor> {
-            let x = x.to_device(device)?;
-            Ok(match rot {
-                Some(r) => r.rotate(&x)?,
-                None => x,
-            })
-        };
-        // One pool per layer of the step (same contents, own memory, so no layer reads another's
-        // bytes from cache), written in slices so the device never holds a second f32 copy.
-        let mut pools = Vec::with_capacity(cfg.attn_layers);
-        for _ in 0..cfg.attn_layers {
-            let pool = LayerKv::zeros(format, slots, width, device)?;
-            let step = (1 << 24) / width.max(1);
-            let mut first = 0;
-            while first < slots {
-                let n = step.min(slots - first);
-                pool.write_run(
-                    first,
-                    &stored(&k.narrow(0, first, n)?)?,
-                    &stored(&v.narrow(0, first, n)?)?,
-                )?;
-                first += n;
-            }
-            pools.push(pool);
-        }
-        let mut out = None;
-        let step_ms = time_ms(
-            cfg,
-            device,
-            progress,
-            &format!("attention {mode}, {len} tokens"),
-            || {
+            let mut out = None;
+            let step_ms = time_ms(cfg, device, progress, &what, || {
                 for pool in &pools {
                     out = Some(decode_attention_rotated(
                         &q, pool, &tables, &starts, &lens, bs, kvh, scale, rot,
                     )?);
                 }
                 Ok(())
-            },
-        )?;
-        drop(pools);
-        let ms = step_ms / cfg.attn_layers as f64;
-        let out = out.context("no attention run")?.to_dtype(DType::F32)?;
-        rows.push(row(
-            &mode,
-            bits,
-            len,
-            ms,
-            &out,
-            dense.as_ref(),
-            format,
-            width,
-        )?);
+            })?;
+            let out = out.context("no attention run")?.to_dtype(DType::F32)?;
+            (step_ms / cfg.attn_layers as f64, out, 0)
+        };
+        let at = (bits, len, format, width, copies);
+        rows.push(row(&mode, at, ms, &out, dense.as_ref())?);
         if dense.is_none() {
             dense = Some((out, ms));
         }
@@ -217,24 +187,21 @@ pub(super) fn rows(
 }
 
 /// A measured mode's row: its time and output against the dense baseline's (`None`: this is
-/// the baseline), the bytes of `len` positions of each sequence in `format`.
-#[allow(clippy::too_many_arguments)]
+/// the baseline); `len` positions of each sequence in `format` (rows of `width` values), and
+/// `copies` bytes of dense copies read besides them.
 fn row(
     mode: &str,
-    bits: Option<KvWidths>,
-    len: usize,
+    (bits, len, format, width, copies): (Option<KvWidths>, usize, KvFormat, usize, u64),
     ms: f64,
     out: &Tensor,
     dense: Option<&(Tensor, f64)>,
-    format: KvFormat,
-    width: usize,
 ) -> Result<AttnRow> {
     let (err, base_ms) = match dense {
         None => (0.0, ms),
         Some((o, m)) => ((out - o)?.abs()?.max_all()?.to_scalar::<f32>()? as f64, *m),
     };
     let batch = out.dim(0)? as u64;
-    let kv_bytes = batch * len as u64 * format.kv_row_bytes(width) as u64;
+    let kv_bytes = batch * len as u64 * format.kv_row_bytes(width) as u64 + copies;
     Ok(AttnRow {
         seq_len: len,
         mode: mode.to_string(),

@@ -10,19 +10,21 @@
 //! 0.0207; 4-bit: 0.0475 → 0.0398.
 //!
 //! `μ` is the mean of the sequence's first block of keys in the layer (or of its first write,
-//! if shorter), fixed then. What it cannot serve: a sequence that takes another's blocks (prefix
-//! reuse, prompt-cache files) would need that sequence's `μ`, and soft-capped scores
-//! (`tanh(s / c)·c`) are not shift-invariant; both are refused where they are set up.
+//! if shorter), fixed then. Rows moved to another sequence take their `μ` along (prompt-cache
+//! files store it: [`PagedKvCache::export_centers`], [`PagedKvCache::import_centers`]). What it
+//! cannot serve: prefix reuse shares blocks between sequences of different means, and
+//! soft-capped scores (`tanh(s / c)·c`) are not shift-invariant; both are refused where they are
+//! set up.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use candle_core::{DType, Tensor};
 
-use super::{KvFormat, PagedKvCache, Result, SeqId};
+use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId};
 
-/// Each sequence's key means, per layer (`[1, width]` in the compute dtype; `None` until the
-/// sequence's first write to the layer).
+/// Each sequence's key means, per layer (`[1, width]`, f32; `None` until the sequence's first
+/// write to the layer).
 #[derive(Debug, Default)]
 pub(super) struct Centers(Mutex<HashMap<SeqId, Vec<Option<Tensor>>>>);
 
@@ -36,6 +38,81 @@ impl PagedKvCache {
     /// Whether `layer`'s keys are stored centred (`--kv-center`: quantized layers only).
     pub fn centers_keys(&self, layer: usize) -> bool {
         self.cfg.center && matches!(self.cfg.formats.get(layer), Some(KvFormat::Affine { .. }))
+    }
+
+    /// `id`'s key means per layer (`[width]` values; `None` for layers that keep keys as they
+    /// are), for a prompt-cache file; empty when the cache does not centre keys.
+    pub fn export_centers(&self, id: SeqId) -> Result<Vec<Option<Vec<f32>>>> {
+        if !self.cfg.center {
+            return Ok(Vec::new());
+        }
+        let map = self.centers.0.lock().expect("poisoned centers");
+        let means = map.get(&id);
+        (0..self.cfg.num_layers)
+            .map(|l| {
+                if !self.centers_keys(l) {
+                    return Ok(None);
+                }
+                let mu = means
+                    .and_then(|m| m.get(l).cloned().flatten())
+                    .ok_or_else(|| {
+                        CacheError::Rows(format!("sequence {id} has no key mean in layer {l}"))
+                    })?;
+                Ok(Some(mu.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?))
+            })
+            .collect()
+    }
+
+    /// Gives the new sequence `id` the key means its imported rows were stored with (as
+    /// [`Self::export_centers`] gives them); must come before the rows
+    /// ([`PagedKvCache::import_rows`] refuses centred layers without).
+    pub fn import_centers(&self, id: SeqId, means: &[Option<Vec<f32>>]) -> Result<()> {
+        let width = self.cfg.width();
+        let ok = means.len() == self.cfg.num_layers
+            && means.iter().enumerate().all(|(l, m)| match m {
+                Some(m) => self.centers_keys(l) && m.len() == width,
+                None => !self.centers_keys(l),
+            });
+        if !ok {
+            return Err(CacheError::Rows(format!(
+                "key means for {} layers do not fit this cache ({} layers, keys centred: {}, \
+                 {width} values a row)",
+                means.len(),
+                self.cfg.num_layers,
+                self.cfg.center
+            )));
+        }
+        let per_layer = means
+            .iter()
+            .map(|m| {
+                m.as_ref()
+                    .map(|m| Tensor::from_slice(m, (1, width), &self.device))
+                    .transpose()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        self.centers
+            .0
+            .lock()
+            .expect("poisoned centers")
+            .insert(id, per_layer);
+        Ok(())
+    }
+
+    /// Whether `id` may take rows as they are: with centred keys, only once it has their means.
+    pub(super) fn check_centred_import(&self, id: SeqId) -> Result<()> {
+        let has = self
+            .centers
+            .0
+            .lock()
+            .expect("poisoned centers")
+            .contains_key(&id);
+        if self.cfg.center && !has {
+            return Err(CacheError::Rows(format!(
+                "sequence {id}: its keys are stored centred (--kv-center), but the rows to \
+                 import come without their key means"
+            )));
+        }
+        Ok(())
     }
 
     /// `k` (`[T, width]`, spans as [`PagedKvCache::write_spans`] takes them) minus each row's
@@ -53,15 +130,17 @@ impl PagedKvCache {
         let mut means = Vec::with_capacity(spans.len() + 1);
         let mut pick = vec![spans.len() as u32; rows];
         for (i, &(id, _, offset, n)) in spans.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
             let per_layer = map
                 .entry(id)
                 .or_insert_with(|| vec![None; self.cfg.num_layers]);
             let mu = match per_layer.get_mut(layer) {
                 Some(Some(mu)) => mu.clone(),
                 Some(slot) => {
-                    let first = k.narrow(0, offset, n.clamp(1, self.cfg.block_size))?;
+                    let first = k.narrow(0, offset, n.min(self.cfg.block_size))?;
                     let mu = first.to_dtype(DType::F32)?.mean_keepdim(0)?;
-                    let mu = mu.to_dtype(k.dtype())?;
                     *slot = Some(mu.clone());
                     mu
                 }
@@ -72,8 +151,8 @@ impl PagedKvCache {
                 *p = i as u32;
             }
         }
-        means.push(Tensor::zeros((1, width), k.dtype(), k.device())?);
-        let means = Tensor::cat(&means, 0)?;
+        means.push(Tensor::zeros((1, width), DType::F32, k.device())?);
+        let means = Tensor::cat(&means, 0)?.to_dtype(k.dtype())?;
         let pick = Tensor::from_vec(pick, rows, k.device())?;
         Ok((k - means.index_select(&pick, 0)?)?)
     }

@@ -3,11 +3,18 @@
 
 use super::*;
 
+/// A sequence's prompt as stored, for a prompt-cache file: its rows per layer and, where keys
+/// are stored centred, their means ([`PagedKvCache::export_centers`]).
+#[derive(Debug, Clone)]
+pub struct PromptKv {
+    pub rows: Vec<LayerRows>,
+    pub centers: Vec<Option<Vec<f32>>>,
+}
+
 impl PagedKvCache {
     /// The stored rows of positions `0..len` of `id`, per layer, exactly as kept (codes stay
     /// codes). Fails if a window already let go of some of them (see [`Self::keep_history`]).
     pub fn export_rows(&self, id: SeqId) -> Result<Vec<LayerRows>> {
-        self.rows_stand_alone()?;
         let s = self.seq(id)?;
         let bs = self.cfg.block_size;
         let mut out: Vec<Option<LayerRows>> = vec![None; self.cfg.num_layers];
@@ -44,9 +51,10 @@ impl PagedKvCache {
     /// must be in the formats [`Self::formats_for_prefix`] gives for `n`. Rows go in runs of at
     /// most `chunk` tokens, each reserved and advanced like a prefill chunk, so the sliding
     /// window frees blocks as it would there and the sequence never holds more blocks than a
-    /// prefill of the same tokens would.
+    /// prefill of the same tokens would. Centred keys (`--kv-center`) need their means first
+    /// ([`Self::import_centers`]).
     pub fn import_rows(&mut self, id: SeqId, rows: &[LayerRows], chunk: usize) -> Result<()> {
-        self.rows_stand_alone()?;
+        self.check_centred_import(id)?;
         let s = self.seq(id)?;
         if s.len != 0 {
             return Err(CacheError::Rows(format!(
@@ -101,19 +109,6 @@ impl PagedKvCache {
             }
             self.advance(id, c)?;
             start += c;
-        }
-        Ok(())
-    }
-
-    /// Refuses to move rows whose meaning depends on the sequence they were written for:
-    /// `--kv-center` keys are minus a mean that stays with that sequence.
-    fn rows_stand_alone(&self) -> Result<()> {
-        if self.cfg.center {
-            return Err(CacheError::Rows(
-                "--kv-center stores keys minus their sequence's own mean, which a prompt-cache \
-                 file does not hold: run without --kv-center to save or use prompt caches"
-                    .into(),
-            ));
         }
         Ok(())
     }

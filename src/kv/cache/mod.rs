@@ -28,6 +28,7 @@
 mod center;
 pub mod config;
 mod export;
+pub use export::PromptKv;
 mod fixed;
 pub mod groups;
 mod pools;

@@ -19,6 +19,9 @@
 //! - `kvq.tokens`: the token ids (a JSON array), one per row;
 //! - `kvq.checksums`: a JSON object, tensor name -> sha256 (hex) of its data bytes, checked
 //!   when the file is opened, so a damaged file is refused instead of changing the output.
+//!
+//! Keys stored centred (`--kv-center`) come with their sequence's mean per quantized layer,
+//! `L.k.center` (f32 `[kv_heads*head_dim]`): the rows mean nothing without it.
 
 // Data here comes from files and the command line: no unwrap, expect or indexing that could
 // panic on it (issue 21; clippy enforces it in CI).
@@ -76,6 +79,21 @@ pub struct PromptCacheMeta {
     pub formats: Vec<KvFormat>,
     /// One token id per row.
     pub tokens: Vec<u32>,
+    /// The key means of centred keys per layer (`--kv-center`; `None`: a layer whose keys are
+    /// stored as they are); empty when no layer's keys are centred.
+    pub centers: Vec<Option<Vec<f32>>>,
+}
+
+impl PromptCacheMeta {
+    /// Whether the rows' keys are stored centred (`--kv-center`).
+    pub fn centred(&self) -> bool {
+        self.centers.iter().any(Option::is_some)
+    }
+}
+
+/// The file tensor of layer `l`'s key mean.
+fn center_name(l: usize) -> String {
+    format!("{l}.k.center")
 }
 
 /// The model a cache is about to be used with.
@@ -126,6 +144,12 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
         let names = file_tensors(l, &r.format(), meta.num_kv_heads * meta.head_dim);
         for ((name, _, _), t) in names.into_iter().zip(r.tensors()) {
             tensors.push((name, t.to_device(&Device::Cpu)?.contiguous()?));
+        }
+    }
+    for (l, mu) in meta.centers.iter().enumerate() {
+        if let Some(mu) = mu {
+            let t = Tensor::from_slice(mu, mu.len(), &Device::Cpu)?;
+            tensors.push((center_name(l), t));
         }
     }
     let tokens = serde_json::to_string(&meta.tokens).map_err(|e| fail(e.to_string()))?;
@@ -484,6 +508,36 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
             expected += 1;
         }
     }
+    let mut centers = Vec::with_capacity(num_layers);
+    for l in 0..num_layers {
+        let name = center_name(l);
+        let Ok(view) = st.tensor(&name) else {
+            centers.push(None);
+            continue;
+        };
+        if view.dtype() != StDtype::F32 || view.shape() != [width] {
+            return Err(invalid(format!(
+                "tensor {name} is {:?} {:?}, expected F32 [{width}]",
+                view.dtype(),
+                view.shape()
+            )));
+        }
+        if sums.get(&name) != Some(&checksum(view.data())) {
+            return Err(invalid(format!(
+                "tensor {name} is damaged (its data does not match the checksum stored with it)"
+            )));
+        }
+        let mu: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap_or_default()))
+            .collect();
+        centers.push(Some(mu));
+        expected += 1;
+    }
+    if centers.iter().all(Option::is_none) {
+        centers.clear();
+    }
     if st.len() != expected {
         return Err(invalid(format!(
             "{} tensors, expected {expected}",
@@ -499,6 +553,7 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
         head_dim,
         formats,
         tokens,
+        centers,
     })
 }
 

@@ -47,6 +47,7 @@ fn meta(fmt: KvFormat, n: usize) -> PromptCacheMeta {
         head_dim: 32,
         formats: vec![fmt; 2],
         tokens: (100..100 + n as u32).collect(),
+        centers: Vec::new(),
     }
 }
 

@@ -126,10 +126,10 @@ impl PagedKvCache {
     ) -> Result<Tensor> {
         let (rows, width) = k.dims2()?;
         let mut map = self.centers.0.lock().expect("poisoned centers");
-        // Row r of `k` takes mean `pick[r]` of `means` (the last entry: zeros).
+        // Row r of `k` takes mean `pick[r]` of `means` (rows no span names: a last row of zeros).
         let mut means = Vec::with_capacity(spans.len() + 1);
-        let mut pick = vec![spans.len() as u32; rows];
-        for (i, &(id, _, offset, n)) in spans.iter().enumerate() {
+        let mut pick = vec![u32::MAX; rows];
+        for &(id, _, offset, n) in spans {
             if n == 0 {
                 continue;
             }
@@ -146,11 +146,16 @@ impl PagedKvCache {
                 }
                 None => return Err(candle_core::Error::Msg(format!("no layer {layer}")).into()),
             };
+            let at = means.len() as u32;
             means.push(mu);
             for p in pick.iter_mut().skip(offset).take(n) {
-                *p = i as u32;
+                *p = at;
             }
         }
+        let zeros = means.len() as u32;
+        pick.iter_mut()
+            .filter(|p| **p == u32::MAX)
+            .for_each(|p| *p = zeros);
         means.push(Tensor::zeros((1, width), DType::F32, k.device())?);
         let means = Tensor::cat(&means, 0)?.to_dtype(k.dtype())?;
         let pick = Tensor::from_vec(pick, rows, k.device())?;
@@ -187,13 +192,17 @@ mod tests {
             .collect();
         let k = Tensor::from_vec(rows, (6, 64), &Device::Cpu).unwrap();
         // Sequence 1 writes rows 0..5 (its first block: rows 0..4), sequence 2 row 5.
-        let out = c.centred(1, &[(1, 0, 0, 5), (2, 0, 5, 1)], &k).unwrap();
+        // An empty span (sequence 3) takes no row and fixes no mean.
+        let out = c
+            .centred(1, &[(3, 0, 0, 0), (1, 0, 0, 5), (2, 0, 5, 1)], &k)
+            .unwrap();
         let out = out.to_vec2::<f32>().unwrap();
         // Row r of sequence 1 is (channel + r); its first block's mean is channel + 1.5.
         for (r, row) in out.iter().take(5).enumerate() {
             assert!(row.iter().all(|&x| x == r as f32 - 1.5), "row {r}: {row:?}");
         }
         assert!(out[5].iter().all(|&x| x == 0.0), "{:?}", out[5]);
+        assert!(c.export_centers(3).is_err(), "an empty write fixes no mean");
         // Later writes reuse the fixed mean.
         let next = Tensor::full(10f32, (1, 64), &Device::Cpu).unwrap();
         let out = c.centred(1, &[(1, 5, 0, 1)], &next).unwrap();

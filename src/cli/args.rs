@@ -369,8 +369,9 @@ pub struct KvArgs {
     /// Store each key minus its sequence's mean key (per channel, from the sequence's first
     /// block, per layer): the offset every key shares stops taking up the quantization range,
     /// and attention is unchanged (softmax ignores a shift common to a query's scores). On the
-    /// default model it cuts 4-bit's KL divergence by ~15%. Needs --kv-bits; not with prompt
-    /// caches, prefix reuse, --quantized-kv-start or soft-capped models.
+    /// default model it cuts 4-bit's KL divergence by ~15%. Needs --kv-bits; prompt-cache files
+    /// keep the means (use a file saved with it only with it); not with prefix reuse,
+    /// --quantized-kv-start or soft-capped models.
     #[arg(long)]
     pub kv_center: bool,
 

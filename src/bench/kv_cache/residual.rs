@@ -33,7 +33,7 @@ pub(super) fn time(
     progress: &dyn Progress,
     what: &str,
 ) -> Result<(f64, Tensor)> {
-    let (len, bs, width) = (data.len, cfg.block_size, cfg.heads * cfg.head_dim);
+    let (len, bs) = (data.len, cfg.block_size);
     let per_seq = len.div_ceil(bs);
     let mut cc = CacheConfig::dense(
         cfg.attn_layers,
@@ -78,7 +78,6 @@ pub(super) fn time(
             at += n;
         }
     }
-    debug_assert_eq!(width, data.k.dim(1)?);
     let batch: Vec<SeqSlice> = (0..cfg.batch)
         .map(|b| SeqSlice::new(&cache, b as u64, b, len - 1, 1))
         .collect();

@@ -45,6 +45,7 @@ pub(super) fn attend(
     let (n_q, heads, hd) = q.dims3()?;
     let width = cfg.width();
     let keep = cache.residual(layer);
+    let kvh = cfg.num_kv_heads.max(1);
     // Each query's sequence, and what each member sequence's tail holds.
     let mut seq_of = vec![0usize; n_q];
     let mut ids = Vec::with_capacity(g.members.len());
@@ -105,7 +106,7 @@ pub(super) fn attend(
     let mut out: Vec<f32> = oq.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let qv: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let dims = Dims {
-        group: heads / cfg.num_kv_heads.max(1),
+        group: heads / kvh,
         hd,
         width,
         scale,
@@ -119,8 +120,7 @@ pub(super) fn attend(
                 .par_chunks_mut(dims.group * hd)
                 .enumerate()
                 .for_each(|(task, o)| {
-                    let r = at + task / cfg.num_kv_heads.max(1);
-                    let kh = task % cfg.num_kv_heads.max(1);
+                    let (r, kh) = (at + task / kvh, task % kvh);
                     let span = (
                         host.starts[r] as usize,
                         lo[r] as usize,

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Tensor};
 
-use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId};
+use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId, WriteSpan};
 
 /// Each sequence's key means, per layer (`[1, width]`, f32; `None` until the sequence's first
 /// write to the layer).
@@ -118,12 +118,7 @@ impl PagedKvCache {
     /// `k` (`[T, width]`, spans as [`PagedKvCache::write_spans`] takes them) minus each row's
     /// sequence mean in `layer`, fixing the means of sequences writing it for the first time.
     /// Rows no span names are left as they are.
-    pub(super) fn centred(
-        &self,
-        layer: usize,
-        spans: &[(SeqId, usize, usize, usize)],
-        k: &Tensor,
-    ) -> Result<Tensor> {
+    pub(super) fn centred(&self, layer: usize, spans: &[WriteSpan], k: &Tensor) -> Result<Tensor> {
         let (rows, width) = k.dims2()?;
         let mut map = self.centers.0.lock().expect("poisoned centers");
         // Row r of `k` takes mean `pick[r]` of `means` (rows no span names: a last row of zeros).

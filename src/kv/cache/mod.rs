@@ -53,6 +53,10 @@ use pools::{BlockPool, GroupPools};
 /// Identifies one sequence in the cache (the scheduler's request number).
 pub type SeqId = u64;
 
+/// One sequence's part of a write: `(id, start, offset, n)` stores rows `offset..offset + n` of
+/// the written tensors as positions `start..start + n` of `id`.
+pub type WriteSpan = (SeqId, usize, usize, usize);
+
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
     #[error("KV cache full: {needed} more blocks needed, {free} free of {total}{}", group_note(.window))]
@@ -370,7 +374,7 @@ impl PagedKvCache {
     pub fn write_spans(
         &self,
         layer: usize,
-        spans: &[(SeqId, usize, usize, usize)],
+        spans: &[WriteSpan],
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {

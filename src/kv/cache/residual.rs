@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Tensor};
 
-use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId};
+use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId, WriteSpan};
 
 impl PagedKvCache {
     /// Positions each query of `layer` attends through dense copies (`--kv-residual`): the
@@ -45,7 +45,7 @@ impl PagedKvCache {
     pub(super) fn keep_residual(
         &self,
         layer: usize,
-        spans: &[(SeqId, usize, usize, usize)],
+        spans: &[WriteSpan],
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {

@@ -29,7 +29,7 @@ use super::linear::{Embedding, Linear, WeightMath};
 #[cfg(feature = "cuda")]
 use crate::kv::attend::FixedStep;
 use crate::kv::attend::{paged_attention, plan_decode, DecodeGroup, SeqSlice};
-use crate::kv::cache::{PagedKvCache, SeqId};
+use crate::kv::cache::{PagedKvCache, SeqId, WriteSpan};
 use crate::kv::format::SlotRows;
 use crate::ops::pool;
 
@@ -547,7 +547,7 @@ enum Rope {
 /// How a forward pass writes the new K/V rows into the cache.
 enum Writes<'a> {
     /// `(seq, start, offset, n)` per sequence ([`PagedKvCache::write_spans`]).
-    Spans(&'a [(SeqId, usize, usize, usize)]),
+    Spans(&'a [WriteSpan]),
     /// A fixed step's slots, through their device copy only ([`PagedKvCache::write_fixed`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Fixed(&'a SlotRows),

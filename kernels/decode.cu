@@ -25,12 +25,13 @@
 #include "decode/block.cuh"
 #include "decode/warp.cuh"
 #include "decode/merge.cuh"
+#include "decode/residual.cuh"
 
 #define KVQ_MERGE(TNAME, T)                                                                          \
     extern "C" __global__ void decode_merge_##TNAME(const float* part_acc, const float* part_ml,     \
-                                                    T* out, int nsplit, int BH, int D) {           \
+                                                    T* out, int nsplit, int BH, int D, float* lse) { \
         pdl_start();                                                                                \
-        merge_impl<T>(part_acc, part_ml, out, nsplit, BH, D);                                       \
+        merge_impl<T>(part_acc, part_ml, out, nsplit, BH, D, lse);                                  \
     }
 KVQ_MERGE(f32, float)
 KVQ_MERGE(f16, __half)
@@ -78,10 +79,10 @@ KVQ_MERGE(bf16, __nv_bfloat16)
         const T* vs, const T* vb, const uint32_t* tables, const uint32_t* starts,                   \
         const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G,        \
         int group, int split_len, float* part_acc, float* part_ml, const float* signs, int rotated,  \
-        T* out, unsigned* counters, int nsplit
+        T* out, unsigned* counters, int nsplit, float* lse
 #define KVQ_Q_PASS                                                                                   \
     q, scale, kc, ks, kb, vc, vs, vb, tables, starts, lens, max_blocks, num_blocks, block_size, kvh, \
-        G, group, split_len, part_acc, part_ml, signs, rotated, out, counters, nsplit
+        G, group, split_len, part_acc, part_ml, signs, rotated, out, counters, nsplit, lse
 
 // SIMT scores, KB-bit keys and VB-bit values: decode_q_<dtype>_b<W>_d<head_dim>, W the one width,
 // or <key bits>v<value bits> for keys one bit wider (the splits of --kv-bits 2.5 … 5.5).
@@ -133,3 +134,17 @@ KVQ_Q(f16, __half, 16, 64) KVQ_Q(bf16, __nv_bfloat16, 16, 64)
 KVQ_ALL(f32, float)
 KVQ_ALL(f16, __half)
 KVQ_ALL(bf16, __nv_bfloat16)
+
+// --kv-residual's dense part and merge: residual_merge_<query type> (decode/residual.cuh).
+#define KVQ_RESIDUAL(TNAME, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) residual_merge_##TNAME(                       \
+        const T* q, const T* oq, const float* lse, T* out, const __half* ring_k,                    \
+        const __half* ring_v, const __half* new_k, const __half* new_v, const uint32_t* info, int H, \
+        int kvh, int D, int S, int R, int width, float scale) {                                     \
+        pdl_start();                                                                                \
+        residual_merge_impl<T>(q, oq, lse, out, ring_k, ring_v, new_k, new_v, info, H, kvh, D, S, R, \
+                               width, scale);                                                      \
+    }
+KVQ_RESIDUAL(f32, float)
+KVQ_RESIDUAL(f16, __half)
+KVQ_RESIDUAL(bf16, __nv_bfloat16)

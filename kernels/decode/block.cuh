@@ -265,7 +265,7 @@ __device__ __forceinline__ void block_merge_last(
         size_t hr[4];
         int dd[4];
         bool in[4];
-        float o[4];
+        float o[4], l[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int i = i0 + tid + k * NT;
@@ -273,7 +273,7 @@ __device__ __forceinline__ void block_merge_last(
             hr[k] = hb + i / D;
             dd[k] = i % D;
         }
-        merge_splits<4>(part_acc, part_ml, (size_t)Bn * H, D, live, hr, dd, in, o);
+        merge_splits<4>(part_acc, part_ml, (size_t)Bn * H, D, live, hr, dd, in, o, l);
 #pragma unroll
         for (int k = 0; k < 4; k++)
             if (in[k]) out[hr[k] * D + dd[k]] = from_f<QT>(o[k]);

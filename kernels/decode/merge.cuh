@@ -28,7 +28,9 @@ __device__ __forceinline__ bool last_to_finish(unsigned* __restrict__ counters, 
 }
 
 // Merges the position splits of IT outputs: output k is value dd[k] of head row hr[k], whose
-// splits sit at rows s·BH + hr[k] of part_ml ([.., 2]: max, sum) and part_acc ([.., D]).
+// splits sit at rows s·BH + hr[k] of part_ml ([.., 2]: max, sum) and part_acc ([.., D]);
+// lse[k] is its head's log-sum-exp of the scores (−inf for none, NaN for a bad sequence), what
+// a merge with attention over other rows needs (the residual window).
 // Splits are read SC at a time for all IT outputs at once (one round trip to L2 per SC splits:
 // the merge is latency-bound) and combined online. Empty splits (m = -inf) count for nothing;
 // NaN (a bad sequence) propagates. Outputs with in[k] false read nothing.
@@ -36,7 +38,7 @@ template <int IT>
 __device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
                                              const float* __restrict__ part_ml, size_t BH, int D,
                                              int nsplit, const size_t* hr, const int* dd,
-                                             const bool* in, float* o) {
+                                             const bool* in, float* o, float* lse) {
     constexpr int SC = 4;
     float M[IT], num[IT], den[IT];
     bool any_nan[IT];
@@ -81,27 +83,33 @@ __device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
         }
     }
 #pragma unroll
-    for (int k = 0; k < IT; k++) o[k] = any_nan[k] ? __int_as_float(0x7fc00000) : num[k] / den[k];
+    for (int k = 0; k < IT; k++) {
+        const float nan = __int_as_float(0x7fc00000);
+        o[k] = any_nan[k] ? nan : num[k] / den[k];
+        lse[k] = any_nan[k] ? nan : den[k] > 0.f ? M[k] + __logf(den[k]) : neg_inf();
+    }
 }
 
 // Combines the block-wide kernels' splits: out[bh] = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s,
-// written in the query's element type (merge_splits). One block per (sequence, head), up to 256
-// threads, at most two values of a row per thread (D ≤ 512).
+// written in the query's element type (merge_splits), and each head's log-sum-exp into `lse`
+// when it is not null. One block per (sequence, head), up to 256 threads, at most two values of
+// a row per thread (D ≤ 512).
 template <typename T>
 __device__ __forceinline__ void merge_impl(const float* __restrict__ part_acc,
                                            const float* __restrict__ part_ml, T* __restrict__ out,
-                                           int nsplit, int BH, int D) {
+                                           int nsplit, int BH, int D, float* __restrict__ lse) {
     const size_t bh = blockIdx.x;
     size_t hr[2] = {bh, bh};
     int dd[2];
     bool in[2];
-    float o[2];
+    float o[2], l[2];
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         dd[k] = threadIdx.x + k * blockDim.x;
         in[k] = dd[k] < D;
     }
-    merge_splits<2>(part_acc, part_ml, (size_t)BH, D, nsplit, hr, dd, in, o);
+    merge_splits<2>(part_acc, part_ml, (size_t)BH, D, nsplit, hr, dd, in, o, l);
+    if (lse != nullptr && threadIdx.x == 0) lse[bh] = l[0];
 #pragma unroll
     for (int k = 0; k < 2; k++)
         if (in[k]) out[bh * D + dd[k]] = from_f<T>(o[k]);

@@ -41,12 +41,14 @@ __device__ __forceinline__ void warp_combine(
 
 // The last block of this (sequence, KV head, head chunk) to finish merges the live splits'
 // partials into the output (no separate merge launch; the partials are still in L2), rotated
-// back for the rotated scheme, and leaves the counter at 0 for the next call.
+// back for the rotated scheme, with each head's log-sum-exp into `lse` when it is not null, and
+// leaves the counter at 0 for the next call.
 template <typename T, int D, typename Wacc>
 __device__ __forceinline__ void warp_merge_last(
     int tid, int b, int kvh, int kh, int Bn, int H, int G, int j0, int gn, int nsplit, int rotated,
     const float* __restrict__ signs, Wacc wacc, const float* __restrict__ part_acc,
-    const float* __restrict__ part_ml, T* __restrict__ out, unsigned* __restrict__ counters) {
+    const float* __restrict__ part_ml, T* __restrict__ out, unsigned* __restrict__ counters,
+    float* __restrict__ lse) {
     const size_t cidx = ((size_t)b * kvh + kh) * gridDim.z + blockIdx.z;
     if (!last_to_finish(counters, cidx, nsplit)) return;
     const size_t hstride = (size_t)Bn * H;  // one split's stride, in heads
@@ -57,7 +59,7 @@ __device__ __forceinline__ void warp_merge_last(
     size_t hr[IT];
     int dd[IT];
     bool in[IT];
-    float o[IT];
+    float o[IT], l[IT];
 #pragma unroll
     for (int k = 0; k < IT; k++) {
         const int i = tid + k * QW * 32;
@@ -65,10 +67,11 @@ __device__ __forceinline__ void warp_merge_last(
         dd[k] = i % D;
         in[k] = i / D < gn;
     }
-    merge_splits<IT>(part_acc, part_ml, hstride, D, nsplit, hr, dd, in, o);
+    merge_splits<IT>(part_acc, part_ml, hstride, D, nsplit, hr, dd, in, o, l);
 #pragma unroll
     for (int k = 0; k < IT; k++) {
         if (!in[k]) continue;
+        if (lse != nullptr && dd[k] == 0) lse[hr[k]] = l[k];
         if (rotated) o_s[tid + k * QW * 32] = o[k];
         else out[hr[k] * D + dd[k]] = from_f<T>(o[k]);
     }
@@ -122,7 +125,8 @@ __device__ __forceinline__ void qdecode_impl(
     const uint32_t* __restrict__ starts, const uint32_t* __restrict__ lens, int max_blocks,
     int num_blocks, int block_size, int kvh, int G, int group, int split_len,
     float* __restrict__ part_acc, float* __restrict__ part_ml, const float* __restrict__ signs,
-    int rotated, T* __restrict__ out, unsigned* __restrict__ counters, int nsplit) {
+    int rotated, T* __restrict__ out, unsigned* __restrict__ counters, int nsplit,
+    float* __restrict__ lse) {
     using S = QShape<T, B, D, GS>;
     static_assert(VB == B || GS == 0, "mixed widths take the SIMT steps");
     constexpr bool MMA = S::MMA, VMMA = S::VMMA, SREG = S::SREG;
@@ -256,5 +260,5 @@ __device__ __forceinline__ void qdecode_impl(
     warp_combine<D>(tid, split, Bn, b, H, kh, G, j0, gn, bad_s, wm_s, wl_s, wacc, part_acc,
                     part_ml);
     warp_merge_last<T, D>(tid, b, kvh, kh, Bn, H, G, j0, gn, live, rotated, signs, wacc,
-                          part_acc, part_ml, out, counters);
+                          part_acc, part_ml, out, counters, lse);
 }

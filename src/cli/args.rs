@@ -356,7 +356,8 @@ pub struct KvArgs {
     /// through f16 copies of their K/V rows, older ones through the quantized rows (which are
     /// still written for every token). Where quantization error costs most — a query weighs
     /// its recent tokens heavily: on the default model N = 64 cuts 4-bit's KL divergence ~5x —
-    /// for N f16 rows per sequence and layer. CPU only. Needs --kv-bits; 0 = off.
+    /// for N f16 rows per sequence and layer. CPU and CUDA (there without CUDA graphs). Needs
+    /// --kv-bits; 0 = off.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub kv_residual: usize,
 

@@ -59,7 +59,7 @@ pub struct BenchKvCacheArgs {
     pub rotated: bool,
     /// Also time each quantized setting with a dense residual window (as `--kv-residual N`):
     /// a whole cache of --attn-layers layers, each sequence's newest N positions attended
-    /// through f16 copies, the rest through the quantized rows, merged (CPU only). 0 = off.
+    /// through f16 copies, the rest through the quantized rows, merged (CPU and CUDA). 0 = off.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub residual: usize,
     /// With --residual: also the first S positions through f16 copies (as `--kv-sinks S`).

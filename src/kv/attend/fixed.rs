@@ -190,6 +190,7 @@ impl FixedStep {
                 starts: self.starts.clone(),
                 // The CUDA kernel reads the device tables only.
                 host: HostTables::default(),
+                residual: Default::default(),
             }],
         };
         (&self.batch, vec![group])

@@ -108,7 +108,7 @@ pub fn paged_attention(
         let rot = in_main.then(|| cache.rotation(layer, true)).flatten();
         if in_main && cache.residual(layer) > 0 {
             return Err(candle_core::Error::Msg(format!(
-                "layer {layer}: --kv-residual attends through the CPU's decode kernel, which \
+                "layer {layer}: --kv-residual attends through the fused decode kernels, which \
                  this {} does not use; run without --kv-residual",
                 if softcap.is_some() {
                     "model (attention logit soft-capping)"

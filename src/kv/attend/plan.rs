@@ -81,6 +81,10 @@ pub(super) struct GroupTables {
     /// What `tables`, `starts` and the group's `lens` were made from (CPU and generic paths
     /// read these).
     pub host: HostTables,
+    /// The residual window's per-query table on the device (`residual::gpu`): the same in
+    /// every layer of a step, so the step's first such layer uploads it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub residual: std::sync::OnceLock<Tensor>,
 }
 
 /// Groups the batch's decode tokens (n = 1) by pool for [`paged_attention`](super::paged_attention). With
@@ -144,6 +148,7 @@ pub fn plan_decode(
                         starts,
                         lens: lens.clone(),
                     },
+                    residual: Default::default(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -13,10 +13,10 @@ use candle_core::{DType, Result, Tensor};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::decode::{self, HostView, StepTables};
+use super::decode::{self, HostTables, HostView, StepTables};
 use super::plan::{DecodeGroup, GroupTables, SeqSlice};
 use crate::kv::cache::residual::Tail;
-use crate::kv::cache::PagedKvCache;
+use crate::kv::cache::{PagedKvCache, SeqId};
 
 /// What one sequence's tail holds, read before the quantized part is cut short.
 #[derive(Clone, Copy)]
@@ -28,9 +28,13 @@ struct Held {
     sinks: usize,
 }
 
+#[cfg(feature = "cuda")]
+mod gpu;
+
 /// Attention of decode group `g`'s queries `q` (`[Q, H, D]`, unrotated) over `layer`, whose
 /// newest `cache.residual(layer)` positions per query are attended dense. `t`: the group's
-/// tables in the layer's group. Returns `[Q, H, D]`.
+/// tables in the layer's group. Returns `[Q, H, D]`. On a CUDA cache the copies and the whole
+/// merge stay on the device (`gpu`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend(
     q: &Tensor,
@@ -41,59 +45,34 @@ pub(super) fn attend(
     batch: &[SeqSlice],
     scale: f32,
 ) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return gpu::attend(q, cache, layer, g, t, batch, scale);
+    }
     let cfg = cache.config();
     let (n_q, heads, hd) = q.dims3()?;
     let width = cfg.width();
     let keep = cache.residual(layer);
     let kvh = cfg.num_kv_heads.max(1);
     // Each query's sequence, and what each member sequence's tail holds.
-    let mut seq_of = vec![0usize; n_q];
-    let mut ids = Vec::with_capacity(g.members.len());
-    let mut held: Vec<Option<Held>> = Vec::with_capacity(g.members.len());
-    for (m, &(i, at, n)) in g.members.iter().enumerate() {
-        seq_of[at..at + n].fill(m);
-        let id = batch
-            .get(i)
-            .ok_or_else(|| candle_core::Error::Msg(format!("residual: no batch entry {i}")))?
-            .seq;
-        ids.push(id);
-        held.push(cache.with_residual(id, layer, |tail| {
-            tail.map(|t| Held {
-                start: t.start,
-                end: t.end(width),
-                sinks: t.sinks_held(width),
+    let (seq_of, ids) = members(g, batch, n_q)?;
+    let held: Vec<Option<Held>> = ids
+        .iter()
+        .map(|&id| {
+            cache.with_residual(id, layer, |tail| {
+                tail.map(|t| Held {
+                    start: t.start,
+                    end: t.end(width),
+                    sinks: t.sinks_held(width),
+                })
             })
-        }));
-    }
-    // Each query's parts, of the positions [start, len) it sees: the sinks held [start, hs),
-    // the quantized rows [max(start, hs), lo) and the window [lo, len) — its newest `keep`
-    // positions, where copies are held.
+        })
+        .collect();
     let host = &t.host;
-    let (mut qs, mut lo) = (vec![0u32; n_q], vec![0u32; n_q]);
-    for r in 0..n_q {
-        let (st, len) = (host.starts[r] as usize, host.lens[r] as usize);
-        let h = held[seq_of[r]];
-        let hs = h.map_or(0, |h| h.sinks.min(len));
-        let q0 = st.max(hs);
-        let l = match h {
-            Some(h) if h.end >= len => len.saturating_sub(keep).max(h.start).max(q0),
-            _ => len,
-        };
-        qs[r] = q0.min(l) as u32;
-        lo[r] = l.min(len) as u32;
-    }
+    let (qs, lo) = parts(host, &seq_of, &held, keep);
     let starts_q = Tensor::new(qs.as_slice(), q.device())?;
     let lens_q = Tensor::new(lo.as_slice(), q.device())?;
-    let step = StepTables {
-        tables: &t.tables,
-        starts: &starts_q,
-        lens: &lens_q,
-        host: Some(HostView {
-            tables: &host.tables,
-            starts: &qs,
-            lens: &lo,
-        }),
-    };
+    let step = cut_step(t, (&starts_q, &lens_q), (&qs, &lo));
     let (oq, lse) = decode::decode_attention_step_lse(
         q,
         cache.layer_storage(layer, g.main),
@@ -134,6 +113,66 @@ pub(super) fn attend(
         });
     }
     Tensor::from_vec(out, (n_q, heads, hd), q.device())?.to_dtype(q.dtype())
+}
+
+/// Each query's member of `g` (its index in `g.members`) and each member's sequence.
+fn members(g: &DecodeGroup, batch: &[SeqSlice], n_q: usize) -> Result<(Vec<usize>, Vec<SeqId>)> {
+    let mut seq_of = vec![0usize; n_q];
+    let mut ids = Vec::with_capacity(g.members.len());
+    for (m, &(i, at, n)) in g.members.iter().enumerate() {
+        seq_of[at..at + n].fill(m);
+        let s = batch
+            .get(i)
+            .ok_or_else(|| candle_core::Error::Msg(format!("residual: no batch entry {i}")))?;
+        ids.push(s.seq);
+    }
+    Ok((seq_of, ids))
+}
+
+/// The quantized part's step: the plan's block tables `t` with each query's cut span
+/// (`starts`, `lens` on the device; `qs`, `lo` their host copies).
+fn cut_step<'a>(
+    t: &'a GroupTables,
+    (starts, lens): (&'a Tensor, &'a Tensor),
+    (qs, lo): (&'a [u32], &'a [u32]),
+) -> StepTables<'a> {
+    StepTables {
+        tables: &t.tables,
+        starts,
+        lens,
+        host: Some(HostView {
+            tables: &t.host.tables,
+            starts: qs,
+            lens: lo,
+        }),
+    }
+}
+
+/// Each query's parts, of the positions `[start, len)` it sees (`host`): the sinks held
+/// `[start, hs)`, the quantized rows `[qs, lo)` (`qs = max(start, hs)`) and the window
+/// `[lo, len)` — its newest `keep` positions, where copies are held. `held`: what the tail of
+/// each member sequence holds; `seq_of`: each query's member. Returns `(qs, lo)`.
+fn parts(
+    host: &HostTables,
+    seq_of: &[usize],
+    held: &[Option<Held>],
+    keep: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    let n_q = seq_of.len();
+    let (mut qs, mut lo) = (vec![0u32; n_q], vec![0u32; n_q]);
+    for r in 0..n_q {
+        let (st, len) = (host.starts[r] as usize, host.lens[r] as usize);
+        let h = held[seq_of[r]];
+        let hs = h.map_or(0, |h| h.sinks.min(len));
+        let q0 = st.max(hs);
+        let l = match h {
+            Some(h) if h.end >= len => len.saturating_sub(keep).max(h.start).max(q0),
+            _ => len,
+        };
+        qs[r] = q0.min(l) as u32;
+        lo[r] = l.min(len) as u32;
+    }
+    (qs, lo)
 }
 
 /// Shapes of the dense part.
@@ -240,9 +279,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::super::{attend_one, paged_attention, plan_decode};
     use super::*;
-    use crate::kv::cache::CacheConfig;
+    use crate::kv::cache::{CacheConfig, SeqId};
     use crate::kv::format::{KvFormat, QuantFormat};
     use candle_core::Device;
+    use std::collections::HashMap;
 
     /// Rows rounded to f16, as the dense copies hold them.
     fn f16_rows(x: &Tensor) -> Tensor {
@@ -258,6 +298,7 @@ mod tests {
     #[allow(clippy::too_many_arguments)]
     fn reference(
         cache: &PagedKvCache,
+        seq: SeqId,
         k: &Tensor,
         v: &Tensor,
         q: &Tensor,
@@ -266,8 +307,8 @@ mod tests {
         scale: f64,
     ) -> Tensor {
         let len = k.dim(0).unwrap();
-        let slots = Tensor::from_vec(cache.slots(0, 0, 0, len).unwrap(), len, &Device::Cpu);
-        let (kq, vq) = cache.gather(0, 0, &slots.unwrap(), DType::F32).unwrap();
+        let slots = Tensor::from_vec(cache.slots(seq, 0, 0, len).unwrap(), len, k.device());
+        let (kq, vq) = cache.gather(0, seq, &slots.unwrap(), DType::F32).unwrap();
         let (kq, vq) = match cache.rotation(0, true) {
             Some(r) => (r.unrotate(&kq).unwrap(), r.unrotate(&vq).unwrap()),
             None => (kq, vq),
@@ -297,21 +338,37 @@ mod tests {
 
     /// The merged attention equals the reference at 1e-4 for prompt chunks attended as decode
     /// queries and for decode steps, windows shorter and longer than the history, rotated and
-    /// plain affine rows, keys one bit wider than values. (Not 4-bit keys: the 8-bit query pass
-    /// the CPU takes for them differs from f32 scores by more than 1e-4.)
+    /// plain affine rows, keys one bit wider than values. (Not 4-bit keys on the CPU: the 8-bit
+    /// query pass it takes for them differs from f32 scores by more than 1e-4.)
     #[test]
     fn merged_attention_matches_a_mixed_dense_reference() {
-        let dev = Device::Cpu;
+        check_merged(&Device::Cpu, DType::F16, &[(8, 8), (5, 4), (3, 3)]);
+    }
+
+    /// The same on the CUDA kernels, whose log-sum-exp comes out of their split merge; f32
+    /// scales, so the warp kernel keeps the queries f32 (it reads them in the scales' type).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_merged_attention_matches_a_mixed_dense_reference() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        check_merged(&dev, DType::F32, &[(8, 8), (5, 4), (4, 4), (4, 3), (3, 3)]);
+    }
+
+    /// [`merged_attention_matches_a_mixed_dense_reference`] on `dev`, scales in `sdt`, for
+    /// each (key bits, value bits); the 3-bit case unrotated.
+    fn check_merged(dev: &Device, sdt: DType, widths: &[(u32, u32)]) {
+        let dev = dev.clone();
         let (kvh, h, d) = (2, 6, 64);
         let scale = 1.0 / (d as f64).sqrt();
-        for (key, value, rotated) in [(8, 8, true), (5, 4, true), (3, 3, false)] {
+        for &(key, value) in widths {
+            let rotated = key != 3;
             for (keep, sinks) in [(1, 0), (5, 0), (23, 0), (200, 0), (1, 3), (5, 19), (6, 30)] {
                 let mut cfg = CacheConfig::dense(1, kvh, d, 4, 64, DType::F32);
                 let (kf, vf) = (QuantFormat::new(key, 32), QuantFormat::new(value, 32));
                 cfg.formats[0] = KvFormat::Affine {
                     key: kf.unwrap(),
                     value: vf.unwrap(),
-                    scale_dtype: DType::F16,
+                    scale_dtype: sdt,
                     rotated,
                 };
                 cfg.residual = keep;
@@ -336,7 +393,7 @@ mod tests {
                         k.narrow(0, 0, at + n).unwrap(),
                         v.narrow(0, 0, at + n).unwrap(),
                     );
-                    let want = reference(&cache, &hist.0, &hist.1, &q, at, (keep, sinks), scale);
+                    let want = reference(&cache, 0, &hist.0, &hist.1, &q, at, (keep, sinks), scale);
                     let err = crate::ops::testing::max_abs_diff(&got, &want);
                     assert!(
                         err < 1e-4,
@@ -346,6 +403,92 @@ mod tests {
                     at += n;
                 }
             }
+        }
+    }
+
+    /// Sequences decoded together, their rows written as one batch (each at its own offset),
+    /// after prompts of their own; one removed and its place taken by another, and more
+    /// sequences than the first copies had room for: every query still equals its own
+    /// sequence's reference at 1e-4.
+    #[test]
+    fn batched_sequences_attend_their_own_copies() {
+        check_batched(&Device::Cpu, DType::F16, (8, 8));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_batched_sequences_attend_their_own_copies() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        check_batched(&dev, DType::F32, (4, 3));
+    }
+
+    fn check_batched(dev: &Device, sdt: DType, (key, value): (u32, u32)) {
+        let (kvh, h, d, keep, sinks) = (2, 4, 64, 6, 2);
+        let scale = 0.125;
+        let mut cfg = CacheConfig::dense(1, kvh, d, 4, 128, DType::F32);
+        cfg.formats[0] = KvFormat::Affine {
+            key: QuantFormat::new(key, 32).unwrap(),
+            value: QuantFormat::new(value, 32).unwrap(),
+            scale_dtype: sdt,
+            rotated: true,
+        };
+        (cfg.residual, cfg.sinks) = (keep, sinks);
+        let mut cache = PagedKvCache::new(cfg, dev).unwrap();
+        let w = kvh * d;
+        let mut hist: HashMap<SeqId, (Tensor, Tensor)> = HashMap::new();
+        let rows = |n: usize| Tensor::randn(0f32, 1.0, (n, w), dev).unwrap();
+        // A step: `steps` (sequence, n) written as one batch, then attended together.
+        let mut step = |cache: &mut PagedKvCache, steps: &[(SeqId, usize)]| {
+            let total: usize = steps.iter().map(|s| s.1).sum();
+            let (k, v) = (rows(total), rows(total));
+            let mut spans = Vec::new();
+            let mut batch_at = Vec::new();
+            let mut off = 0;
+            for &(id, n) in steps {
+                if !cache.contains(id) {
+                    cache.add_sequence(id).unwrap();
+                }
+                let at = cache.seq_len(id).unwrap();
+                cache.reserve(id, n).unwrap();
+                spans.push((id, at, off, n));
+                batch_at.push((id, off, at, n));
+                let e = hist.entry(id).or_insert_with(|| (rows(0), rows(0)));
+                let cat = |a: &Tensor, b: Tensor| Tensor::cat(&[a, &b], 0).unwrap();
+                *e = (
+                    cat(&e.0, k.narrow(0, off, n).unwrap()),
+                    cat(&e.1, v.narrow(0, off, n).unwrap()),
+                );
+                off += n;
+            }
+            cache.write_spans(0, &spans, &k, &v).unwrap();
+            let q = Tensor::randn(0f32, 1.0, (total, h, d), dev).unwrap();
+            let batch: Vec<SeqSlice> = batch_at
+                .iter()
+                .map(|&(id, off, at, n)| SeqSlice::new(cache, id, off, at, n))
+                .collect();
+            let plan = plan_decode(cache, &batch, true).unwrap();
+            let got = paged_attention(&q, cache, 0, &batch, &plan, scale, None).unwrap();
+            for &(id, off, at, n) in &batch_at {
+                let (hk, hv) = &hist[&id];
+                let qs = q.narrow(0, off, n).unwrap();
+                let want = reference(cache, id, hk, hv, &qs, at, (keep, sinks), scale);
+                let err = crate::ops::testing::max_abs_diff(&got.narrow(0, off, n).unwrap(), &want);
+                assert!(err < 1e-4, "sequence {id} at {at}+{n}: {err}");
+            }
+            for &(id, n) in steps {
+                cache.advance(id, n).unwrap();
+            }
+        };
+        step(&mut cache, &[(0, 9)]);
+        step(&mut cache, &[(1, 13)]);
+        for _ in 0..3 {
+            step(&mut cache, &[(0, 1), (1, 1)]);
+        }
+        step(&mut cache, &[(0, 5), (1, 1)]);
+        cache.remove_sequence(0);
+        step(&mut cache, &[(2, 3), (3, 11), (1, 1)]);
+        for _ in 0..8 {
+            step(&mut cache, &[(1, 1), (2, 1), (3, 1)]);
         }
     }
 

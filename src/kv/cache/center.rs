@@ -147,6 +147,13 @@ impl PagedKvCache {
                 *p = at;
             }
         }
+        if let ([mu], [(_, _, 0, n)]) = (means.as_slice(), spans) {
+            if *n == rows {
+                // One sequence's rows (a decode step alone, a prompt chunk): a broadcast, with
+                // no index to upload.
+                return Ok(k.broadcast_sub(&mu.to_dtype(k.dtype())?)?);
+            }
+        }
         let zeros = means.len() as u32;
         pick.iter_mut()
             .filter(|p| **p == u32::MAX)

@@ -24,6 +24,11 @@ impl PagedKvCache {
                 "a captured decode step cannot centre keys (--kv-center)".into(),
             ));
         }
+        if self.residual(layer) > 0 {
+            return Err(CacheError::Rows(
+                "a captured decode step cannot keep dense copies (--kv-residual)".into(),
+            ));
+        }
         let rot = self.rotation(layer, true);
         Ok(self
             .layer_storage(layer, true)

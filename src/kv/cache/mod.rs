@@ -36,6 +36,8 @@ pub mod prefix;
 pub mod prompt_file;
 pub mod residual;
 mod reuse;
+#[cfg(feature = "cuda")]
+pub mod ring;
 mod staging;
 mod usage;
 
@@ -133,10 +135,10 @@ impl PagedKvCache {
             ))
             .into());
         }
-        if cfg.residual > 0 && !device.is_cpu() {
+        if cfg.residual > 0 && !(device.is_cpu() || device.is_cuda()) {
             return Err(CacheError::Rows(
-                "--kv-residual runs on the CPU only (its merge with the quantized part is part \
-                 of the CPU decode kernel's call); run without it on a GPU"
+                "--kv-residual runs on the CPU and CUDA only (its merge with the quantized part \
+                 needs their decode kernels' log-sum-exp); run without it on this device"
                     .into(),
             ));
         }
@@ -173,6 +175,7 @@ impl PagedKvCache {
                 prefix: None,
             });
         }
+        let tails = residual::Tails::new(&cfg, device)?;
         Ok(Self {
             device: device.clone(),
             last_slots: Mutex::new(vec![Vec::new(); layout.len()]),
@@ -183,7 +186,7 @@ impl PagedKvCache {
             seqs: HashMap::new(),
             peak_bytes: 0,
             rotation,
-            tails: residual::Tails::default(),
+            tails,
             centers: center::Centers::default(),
         })
     }

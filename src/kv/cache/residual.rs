@@ -40,6 +40,27 @@ impl PagedKvCache {
         self.tails.with(id, layer, f)
     }
 
+    /// `layer`'s device copies and, per sequence of `ids`, what its queries read (`None`: the
+    /// copies are in host memory, [`PagedKvCache::with_residual`]).
+    #[cfg(feature = "cuda")]
+    pub fn ring_view(
+        &self,
+        layer: usize,
+        ids: &[SeqId],
+    ) -> Option<(super::ring::RingView, Vec<super::ring::RingSeq>)> {
+        self.tails.device.as_ref()?.view(layer, ids)
+    }
+
+    /// Commits `layer`'s rows written this step for `ids` to the device copies, once their
+    /// queries have been attended (`ring`'s module doc says why not before).
+    #[cfg(feature = "cuda")]
+    pub fn commit_ring(&self, layer: usize, ids: &[SeqId]) -> Result<()> {
+        match &self.tails.device {
+            Some(r) => r.commit(layer, Some(ids)),
+            None => Ok(()),
+        }
+    }
+
     /// Keeps dense copies of a write's rows (`k`, `v`: `[T, width]`, spans as
     /// [`PagedKvCache::write_spans`] takes them) where `layer` has a residual window.
     pub(super) fn keep_residual(
@@ -52,6 +73,10 @@ impl PagedKvCache {
         let keep = self.residual(layer);
         if keep == 0 {
             return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.tails.device {
+            return r.stage(layer, spans, k, v);
         }
         let w = self.cfg.width();
         let rows = |x: &Tensor| x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
@@ -151,11 +176,36 @@ fn extend_f16(dst: &mut Vec<f16>, x: &[f32]) {
     dst[at..].convert_from_f32_slice(x);
 }
 
-/// The tails of every sequence of a cache, by layer.
-#[derive(Debug, Default)]
-pub(super) struct Tails(Mutex<HashMap<SeqId, Vec<Tail>>>);
+/// The tails of every sequence of a cache, by layer: in host memory for the CPU's kernel, or
+/// on the device (`ring`) for CUDA's.
+#[derive(Default)]
+pub(super) struct Tails {
+    host: Mutex<HashMap<SeqId, Vec<Tail>>>,
+    #[cfg(feature = "cuda")]
+    device: Option<super::ring::Rings>,
+}
 
 impl Tails {
+    /// Tails for `cfg`'s layers on `device`: rings on a CUDA device, host rows otherwise.
+    pub(super) fn new(cfg: &super::CacheConfig, device: &candle_core::Device) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if cfg.residual > 0 && device.is_cuda() {
+            let quantized: Vec<bool> = cfg
+                .formats
+                .iter()
+                .map(|f| matches!(f, KvFormat::Affine { .. }))
+                .collect();
+            let rings =
+                super::ring::Rings::new(&quantized, cfg.width(), cfg.residual, cfg.sinks, device)?;
+            return Ok(Tails {
+                device: Some(rings),
+                ..Default::default()
+            });
+        }
+        let _ = (cfg, device);
+        Ok(Tails::default())
+    }
+
     /// Takes rows of positions `start..` of `id` in `layer`: `keep` newest (the window) and the
     /// first `sinks`.
     #[allow(clippy::too_many_arguments)]
@@ -169,7 +219,7 @@ impl Tails {
         keep: usize,
         sinks: usize,
     ) {
-        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.host.lock().unwrap_or_else(|e| e.into_inner());
         let layers = m.entry(id).or_default();
         if layers.len() <= layer {
             layers.resize_with(layer + 1, Tail::default);
@@ -183,20 +233,24 @@ impl Tails {
 
     /// Drops the rows of `id` before position `from` in every layer.
     pub(super) fn trim(&self, id: SeqId, from: usize, width: usize) {
-        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.host.lock().unwrap_or_else(|e| e.into_inner());
         for t in m.get_mut(&id).into_iter().flatten() {
             t.drop_before(from, width);
         }
     }
 
     pub(super) fn with<R>(&self, id: SeqId, layer: usize, f: impl FnOnce(Option<&Tail>) -> R) -> R {
-        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let m = self.host.lock().unwrap_or_else(|e| e.into_inner());
         f(m.get(&id).and_then(|layers| layers.get(layer)))
     }
 
     pub(super) fn remove(&self, id: SeqId) {
-        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.host.lock().unwrap_or_else(|e| e.into_inner());
         m.remove(&id);
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.device {
+            r.remove(id);
+        }
     }
 }
 

@@ -21,7 +21,7 @@ pub mod ops;
 mod pack;
 mod quantized;
 pub mod rotation;
-mod scatter;
+pub(crate) mod scatter;
 pub mod storage;
 pub mod tag;
 mod widths;

@@ -207,7 +207,10 @@ impl Llama {
         let t = tokens.len();
         let ids = Tensor::from_vec(tokens, t, &self.device)?;
         let pos = Tensor::from_vec(positions, t, &self.device)?;
-        let decode = plan_decode(cache, &slices, self.batch_invariant)?;
+        // The residual window's merge is part of the decode kernels' call, so prompt tokens
+        // attend as decode queries under it on every device.
+        let as_decode = self.batch_invariant || cache.config().residual > 0;
+        let decode = plan_decode(cache, &slices, as_decode)?;
         let spans: Vec<_> = slices
             .iter()
             .map(|s| (s.seq, s.start, s.offset, s.n))

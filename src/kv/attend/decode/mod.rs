@@ -428,7 +428,7 @@ fn in_rotated_space<T>(
 /// scaled scores (`[B·H]`, −∞ where a query has no positions): a query's `starts` may equal its
 /// `lens` (no positions; zeros out). What attention over the quantized part of a history needs
 /// to merge with attention over other rows (`kv::attend::residual`). Other devices and formats
-/// without a fused CPU kernel are refused.
+/// without a fused CPU kernel are refused ([`cuda_step_lse`] is CUDA's).
 pub fn decode_attention_step_lse(
     q: &Tensor,
     kv: &LayerKv,
@@ -440,6 +440,9 @@ pub fn decode_attention_step_lse(
 ) -> Result<(Tensor, Vec<f32>)> {
     let (block_tables, starts, lens) = (step.tables, step.starts, step.lens);
     let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
+    if dims.batch == 0 {
+        return Ok((q.zeros_like()?, Vec::new()));
+    }
     if !q.device().is_cpu() || !cpu_fuses(kv) {
         return Err(shape_err(
             "merging with other rows needs the fused CPU kernel (a CPU cache with K and V of one \
@@ -447,9 +450,36 @@ pub fn decode_attention_step_lse(
                 .into(),
         ));
     }
-    if dims.batch == 0 {
-        return Ok((q.zeros_like()?, Vec::new()));
-    }
     let t = read_tables(&dims, block_tables, starts, lens, step.host, true)?;
     in_rotated_space(q, rot, |q| cpu::decode_lse(q, kv, &dims, &t, scale))
 }
+
+/// [`decode_attention_step`] on the CUDA kernels with each query head's log-sum-exp (`[B·H]`
+/// f32, on the device; NaN for a query without positions, whose output is NaN too): quantized
+/// layers the fused kernels read. What `kv::attend::residual_gpu` merges with the dense part.
+#[cfg(feature = "cuda")]
+pub fn cuda_step_lse(
+    q: &Tensor,
+    kv: &LayerKv,
+    step: &StepTables<'_>,
+    block_size: usize,
+    num_kv_heads: usize,
+    scale: f32,
+    rot: Option<&Rotation>,
+) -> Result<(Tensor, Tensor)> {
+    let (block_tables, starts, lens) = (step.tables, step.starts, step.lens);
+    let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
+    if !q.device().is_cuda() || !cuda::reads(q, kv, &dims) {
+        return Err(shape_err(
+            "merging with other rows on a GPU needs the fused CUDA kernels (a quantized CUDA \
+             cache with K and V of one width, or keys one bit wider at head_dim 64 or 128)"
+                .into(),
+        ));
+    }
+    let (o, lse) = cuda::decode_lse(q, kv, &dims, (block_tables, starts, lens), scale, rot, true)?;
+    let lse = lse.ok_or_else(|| shape_err("the CUDA kernel returned no log-sum-exp".into()))?;
+    Ok((o, lse))
+}
+
+#[cfg(feature = "cuda")]
+pub use cuda::residual::{residual_merge, DenseRows};

@@ -3,6 +3,7 @@
 //! kernels, `decode_merge` (the dense and warp kernels merge their splits themselves).
 
 mod plan;
+pub(super) mod residual;
 
 use super::Dims;
 use crate::device::kernels::{aligned, dtype_suffix, kernel, view, Kernel, Module};
@@ -66,7 +67,22 @@ struct Launch<'a> {
     split_len: i32,
     part_acc: &'a CudaSlice<f32>,
     part_ml: &'a CudaSlice<f32>,
+    /// Where the merge puts each head's log-sum-exp (`[B·H]`), if asked.
+    lse: Option<&'a CudaSlice<f32>>,
 }
+
+impl Launch<'_> {
+    /// Passes the log-sum-exp output, or a null pointer (the kernel writes none).
+    fn arg_lse(&self, b: &mut crate::device::kernels::pdl::Args<'_>) {
+        match self.lse {
+            Some(l) => b.arg(l),
+            None => b.arg(&NULL),
+        };
+    }
+}
+
+/// A null device pointer, for the kernels' optional outputs.
+static NULL: u64 = 0;
 
 /// Where a kernel that merges its own splits puts them: `counters` slots of finished blocks
 /// (one per sequence, KV head and head chunk), an output of `out_len` values, `nsplit` splits.
@@ -191,6 +207,7 @@ fn launch_dense_warp(
                 .arg(a.part_acc)
                 .arg(a.part_ml);
             b.arg(&signs).arg(&rotated).arg(&out).arg(c).arg(&ns);
+            a.arg_lse(&mut b);
             unsafe { b.launch(a.cfg) }?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};
@@ -297,6 +314,7 @@ fn launch_affine(
                 let ns = w.merged.nsplit_arg()?;
                 let c = device_counters(guard, dev)?;
                 b.arg(&sgv).arg(&rotated).arg(&out).arg(c).arg(&ns);
+                a.arg_lse(&mut b);
                 unsafe { b.launch(a.cfg) }?;
                 fused = Some(CudaStorage::wrap_cuda_slice(out, dev.clone()));
             } else {
@@ -335,6 +353,25 @@ pub(super) fn decode(
     scale: f32,
     rot: Option<&Rotation>,
 ) -> Result<Tensor> {
+    let tables = (block_tables, starts, lens);
+    Ok(decode_lse(q, kv, dims, tables, scale, rot, false)?.0)
+}
+
+/// [`decode`], with each query head's log-sum-exp of its scaled scores (`[B·H]` f32; NaN for a
+/// sequence the kernels refuse, such as one with no positions) when `want_lse`: quantized pools
+/// only, whose kernels merge through `merge_splits`.
+pub(super) fn decode_lse(
+    q: &Tensor,
+    kv: &LayerKv,
+    dims: &Dims,
+    (block_tables, starts, lens): (&Tensor, &Tensor, &Tensor),
+    scale: f32,
+    rot: Option<&Rotation>,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if want_lse && matches!(kv, LayerKv::Dense { .. }) {
+        return Err(err("log-sum-exp is only returned for quantized pools"));
+    }
     let d = dims.head_dim;
     if !d.is_multiple_of(8) || d > MAX_HEAD_DIM {
         return Err(err(format!(
@@ -393,6 +430,10 @@ pub(super) fn decode(
 
     let part_acc: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * d)? };
     let part_ml: CudaSlice<f32> = unsafe { dev.alloc::<f32>(nsplit * bh * 2)? };
+    // Every head row's last block (or the merge) writes its entry.
+    let lse: Option<CudaSlice<f32>> = want_lse
+        .then(|| unsafe { dev.alloc::<f32>(bh) })
+        .transpose()?;
     let smem = if warp_kernel {
         choice.smem // staging of the tensor-core kernels; the rest is static
     } else {
@@ -425,35 +466,27 @@ pub(super) fn decode(
         split_len: to_i32(split_len, "split length")?,
         part_acc: &part_acc,
         part_ml: &part_ml,
+        lse: lse.as_ref(),
     };
-    let counters_n = dims.batch * dims.kv_heads * head_chunks;
+    // Where the kernels that merge their own splits put them.
+    let merged = || Merged {
+        counters: dims.batch * dims.kv_heads * head_chunks,
+        out_len: bh * d,
+        nsplit,
+    };
     let fused = match kv {
         LayerKv::Dense { k, v } if warp_kernel => {
-            let merged = Merged {
-                counters: counters_n,
-                out_len: bh * d,
-                nsplit,
-            };
-            Some(launch_dense_warp(&launch, &qs, ql, k, v, merged)?)
+            Some(launch_dense_warp(&launch, &qs, ql, k, v, merged())?)
         }
         LayerKv::Dense { k, v } => {
-            let merged = Merged {
-                counters: counters_n,
-                out_len: bh * d,
-                nsplit,
-            };
-            Some(launch_dense(&launch, &qs, ql, qf.dtype(), k, v, merged)?)
+            Some(launch_dense(&launch, &qs, ql, qf.dtype(), k, v, merged())?)
         }
         LayerKv::Affine {
             kfmt: fmt, k, v, ..
         } => {
             let warp = warp_kernel.then_some(WarpArgs {
                 rot: fused_rot,
-                merged: Merged {
-                    counters: counters_n,
-                    out_len: bh * d,
-                    nsplit,
-                },
+                merged: merged(),
             });
             launch_affine(&launch, &qs, ql, fmt, k, v, warp)?
         }
@@ -461,19 +494,20 @@ pub(super) fn decode(
 
     let out = match fused {
         Some(out) => out,
-        None => merge(&dev, q.dtype(), &part_acc, &part_ml, nsplit, bh, d)?,
+        None => merge(&launch, q.dtype(), nsplit, bh, d)?,
     };
-    let out = Tensor::from_storage(
-        Storage::Cuda(out),
-        (dims.batch, dims.heads, d),
-        BackpropOp::none(),
-        false,
-    )
-    .to_dtype(q.dtype())?;
-    match outer_rot {
-        Some(r) => r.unrotate(&out),
-        None => Ok(out),
-    }
+    let out = tensor_of(out, (dims.batch, dims.heads, d)).to_dtype(q.dtype())?;
+    let out = match outer_rot {
+        Some(r) => r.unrotate(&out)?,
+        None => out,
+    };
+    let lse = lse.map(|l| tensor_of(CudaStorage::wrap_cuda_slice(l, dev.clone()), bh));
+    Ok((out, lse))
+}
+
+/// A kernel's output buffer as a tensor of `shape`.
+fn tensor_of(st: CudaStorage, shape: impl Into<candle_core::Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(st), shape, BackpropOp::none(), false)
 }
 
 /// Per-device counters of finished blocks for the warp kernel's in-kernel merge, all zero
@@ -499,16 +533,10 @@ fn counters(dev: &CudaDevice, n: usize) -> Result<MutexGuard<'static, Counters>>
 type Counters = HashMap<DeviceId, CudaSlice<u32>>;
 
 /// Combines the splits of the block-wide kernels into the output, in q's element type (their
-/// queries were rotated outside, so the output needs no rotation here).
-fn merge(
-    dev: &CudaDevice,
-    q_dtype: DType,
-    part_acc: &CudaSlice<f32>,
-    part_ml: &CudaSlice<f32>,
-    nsplit: usize,
-    bh: usize,
-    d: usize,
-) -> Result<CudaStorage> {
+/// queries were rotated outside, so the output needs no rotation here), with the heads'
+/// log-sum-exp where `a` asks for it.
+fn merge(a: &Launch, q_dtype: DType, nsplit: usize, bh: usize, d: usize) -> Result<CudaStorage> {
+    let dev = a.dev;
     let bh_i = i32::try_from(bh).map_err(|_| err(format!("batch x heads {bh} too large")))?;
     let (ns, d_i) = (nsplit as i32, d as i32);
     let mcfg = LaunchConfig {
@@ -525,12 +553,13 @@ fn merge(
         ($t:ty) => {{
             let out: CudaSlice<$t> = unsafe { dev.alloc::<$t>(bh * d)? };
             let mut b = merge.pdl_builder();
-            b.arg(part_acc)
-                .arg(part_ml)
+            b.arg(a.part_acc)
+                .arg(a.part_ml)
                 .arg(&out)
                 .arg(&ns)
                 .arg(&bh_i)
                 .arg(&d_i);
+            a.arg_lse(&mut b);
             unsafe { b.launch(mcfg) }?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }};

@@ -1,0 +1,114 @@
+//! The residual window on a CUDA cache: the quantized part through the fused decode kernels
+//! (which return each head's log-sum-exp), then `residual_merge` attends the dense copies kept
+//! on the device (`kv::cache::ring`) and merges the two in one launch. Per step the host uploads
+//! one small table (each query's parts, the same in every layer) and nothing is read back.
+
+use candle_core::{Result, Tensor};
+
+use super::super::decode::{self, DenseRows, HostTables};
+use super::super::plan::{DecodeGroup, GroupTables, SeqSlice};
+use super::{cut_step, members, parts, Held};
+use crate::kv::cache::ring::RingSeq;
+use crate::kv::cache::PagedKvCache;
+
+/// [`super::attend`] on the device.
+pub(super) fn attend(
+    q: &Tensor,
+    cache: &PagedKvCache,
+    layer: usize,
+    g: &DecodeGroup,
+    t: &GroupTables,
+    batch: &[SeqSlice],
+    scale: f32,
+) -> Result<Tensor> {
+    let cfg = cache.config();
+    let n_q = q.dim(0)?;
+    let keep = cache.residual(layer);
+    let (seq_of, ids) = members(g, batch, n_q)?;
+    let (rings, seqs) = cache.ring_view(layer, &ids).ok_or_else(|| {
+        candle_core::Error::Msg(format!("layer {layer}: no device copies for --kv-residual"))
+    })?;
+    let host = &t.host;
+    let (qs, lo) = parts(host, &seq_of, &held(&seqs), keep);
+    // Every layer of a step writes the same spans, so its copies hold the same positions: the
+    // step's first layer uploads the table, the others reuse it.
+    let seg = n_q.next_multiple_of(4); // segments start 16-byte aligned
+    let up = match t.residual.get() {
+        Some(up) => up.clone(),
+        None => {
+            let words = table(host, &seqs, &seq_of, (&qs, &lo), seg);
+            let up = Tensor::new(words.as_slice(), q.device())?;
+            t.residual.get_or_init(|| up.clone());
+            up
+        }
+    };
+    let (starts_q, lens_q) = (up.narrow(0, 0, n_q)?, up.narrow(0, seg, n_q)?);
+    let info = up.narrow(0, 2 * seg, 8 * n_q)?.reshape((n_q, 8))?;
+    let step = cut_step(t, (&starts_q, &lens_q), (&qs, &lo));
+    let (oq, lse) = decode::cuda_step_lse(
+        q,
+        cache.layer_storage(layer, g.main),
+        &step,
+        cfg.block_size,
+        cfg.num_kv_heads,
+        scale,
+        cache.rotation(layer, g.main),
+    )?;
+    let dense = DenseRows {
+        ring_k: &rings.k,
+        ring_v: &rings.v,
+        new_k: &rings.new_k,
+        new_v: &rings.new_v,
+        info: &info,
+        sinks: rings.sinks,
+        ring: rings.ring,
+    };
+    let out = decode::residual_merge(q, &oq, &lse, &dense, cfg.num_kv_heads, scale)?;
+    cache
+        .commit_ring(layer, &ids)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    Ok(out)
+}
+
+/// What each member sequence's copies hold, as the parts of its queries are cut.
+fn held(seqs: &[RingSeq]) -> Vec<Option<Held>> {
+    seqs.iter()
+        .map(|s| {
+            Some(Held {
+                start: s.start,
+                end: s.end,
+                sinks: s.sinks,
+            })
+        })
+        .collect()
+}
+
+/// The upload of one step: the quantized part's starts `qs` and lens `lo`, each in a segment
+/// of `seg` words, then per query the eight words `residual_merge` reads (residual.cuh).
+fn table(
+    host: &HostTables,
+    seqs: &[RingSeq],
+    seq_of: &[usize],
+    (qs, lo): (&[u32], &[u32]),
+    seg: usize,
+) -> Vec<u32> {
+    let n_q = seq_of.len();
+    let mut words = vec![0u32; 2 * seg];
+    words[..n_q].copy_from_slice(qs);
+    words[seg..seg + n_q].copy_from_slice(lo);
+    for r in 0..n_q {
+        let s = &seqs[seq_of[r]];
+        let (st, len) = (host.starts[r], host.lens[r]);
+        words.extend_from_slice(&[
+            st,
+            (s.sinks as u32).min(len),
+            lo[r],
+            len,
+            s.base,
+            s.wstart,
+            s.woff,
+            u32::from(qs[r] >= lo[r]),
+        ]);
+    }
+    words
+}

@@ -1,0 +1,335 @@
+//! `--kv-residual` on a GPU: the dense copies of each sequence's newest and first rows kept on
+//! the device, so a decode step reads nothing back to the host (`residual` keeps them in host
+//! memory for the CPU's kernel).
+//!
+//! Each quantized layer has one f16 pool per K and V of `slots × (S + R)` rows: a sequence's
+//! slot holds its `S` sink rows (positions `0..S`), then a ring of `R = N` rows where position
+//! `p` sits at row `p mod R`. A write's rows are not put in the ring at once: they stay
+//! *pending* (the step's own f16 rows) until the layer has been attended, because a long prompt
+//! chunk would overwrite ring rows that its first queries still read. The attention reads rows
+//! before the write's start from the ring and the others from the pending rows; afterwards the
+//! write's last `N − 1` rows (all the next query can see) and its sink rows are committed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{Result, SeqId, WriteSpan};
+use crate::kv::format::ops::SlotRows;
+use crate::kv::format::scatter::scatter_rows;
+
+/// Positions of one (sequence, layer) whose copies are where the attention can read them.
+#[derive(Debug, Default, Clone, Copy)]
+struct Meta {
+    /// Ring rows of positions `lo..hi` are intact.
+    lo: usize,
+    hi: usize,
+    /// Sink rows held: positions `0..sinks`.
+    sinks: usize,
+}
+
+/// A layer's write not yet committed to its rings: rows `[T, width]` f16, and per span whether
+/// it is committed.
+struct Pending {
+    k: Tensor,
+    v: Tensor,
+    spans: Vec<(WriteSpan, bool)>,
+}
+
+struct LayerRing {
+    k: Tensor,
+    v: Tensor,
+    pending: Option<Pending>,
+}
+
+/// What the attention of one sequence in one layer reads: its slot's first row, its copies'
+/// positions, and where this step's write sits among the pending rows.
+#[derive(Debug, Clone, Copy)]
+pub struct RingSeq {
+    pub base: u32,
+    /// Dense copies exist for positions `start..end` (ring, then pending rows) and for `0..sinks`.
+    pub start: usize,
+    pub end: usize,
+    pub sinks: usize,
+    /// First position of this step's write (`u32::MAX`: none) and its first pending row.
+    pub wstart: u32,
+    pub woff: u32,
+}
+
+/// A layer's rings and pending rows, as the attention reads them (tensors share storage).
+pub struct RingView {
+    pub k: Tensor,
+    pub v: Tensor,
+    /// The pending rows (the rings themselves when there are none: never read then).
+    pub new_k: Tensor,
+    pub new_v: Tensor,
+    /// Sink rows per slot, then the ring's rows.
+    pub sinks: usize,
+    pub ring: usize,
+}
+
+struct State {
+    slots: HashMap<SeqId, usize>,
+    free: Vec<usize>,
+    nslots: usize,
+    layers: Vec<Option<LayerRing>>,
+    meta: HashMap<SeqId, Vec<Meta>>,
+    /// The last commit's rows (pending rows → pool rows) and their device indices: every layer
+    /// of a step commits the same ones, so only the first uploads them.
+    last: Option<Moves>,
+}
+
+/// Rows moved by a commit: pending row `src[i]` to pool row `dst[i]`, both also on the device.
+type Moves = (Vec<u32>, Vec<u32>, Tensor, Arc<SlotRows>);
+
+/// The device copies of every sequence of a cache (see the module doc).
+pub(super) struct Rings {
+    state: Mutex<State>,
+    width: usize,
+    sinks: usize,
+    ring: usize,
+    device: Device,
+}
+
+impl Rings {
+    /// Rings for the layers where `quantized[l]`, `keep` (N) positions each plus `sinks`.
+    pub(super) fn new(
+        quantized: &[bool],
+        width: usize,
+        keep: usize,
+        sinks: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let per = sinks + keep;
+        let layers = quantized
+            .iter()
+            .map(|&q| {
+                q.then(|| -> Result<LayerRing> {
+                    Ok(LayerRing {
+                        k: Tensor::zeros((per, width), DType::F16, device)?,
+                        v: Tensor::zeros((per, width), DType::F16, device)?,
+                        pending: None,
+                    })
+                })
+                .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Rings {
+            state: Mutex::new(State {
+                slots: HashMap::new(),
+                free: Vec::new(),
+                nslots: 1,
+                layers,
+                meta: HashMap::new(),
+                last: None,
+            }),
+            width,
+            sinks,
+            ring: keep,
+            device: device.clone(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a write's rows (`k`, `v`: `[T, width]`, spans as the cache's writes take them)
+    /// as `layer`'s pending rows, committing what an earlier write left pending first.
+    pub(super) fn stage(
+        &self,
+        layer: usize,
+        spans: &[WriteSpan],
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        self.commit_in(&mut st, layer, None)?;
+        for &(id, start, _, n) in spans {
+            self.slot_of(&mut st, id)?;
+            let nl = st.layers.len();
+            let m = &mut st
+                .meta
+                .entry(id)
+                .or_insert_with(|| vec![Meta::default(); nl])[layer];
+            // Sinks as the CPU's tails keep them: replaced from a rewind into them, extended
+            // by a write that continues them, unchanged after a gap.
+            if self.sinks > 0 && start <= m.sinks && start < self.sinks {
+                m.sinks = (start + n).min(self.sinks);
+            }
+        }
+        let f16 = |x: &Tensor| x.to_dtype(DType::F16)?.contiguous();
+        if let Some(Some(l)) = st.layers.get_mut(layer) {
+            l.pending = Some(Pending {
+                k: f16(k)?,
+                v: f16(v)?,
+                spans: spans.iter().map(|&s| (s, false)).collect(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Commits `layer`'s pending rows of the sequences `ids` (all: `None`) to their rings.
+    pub(super) fn commit(&self, layer: usize, ids: Option<&[SeqId]>) -> Result<()> {
+        let mut st = self.lock();
+        self.commit_in(&mut st, layer, ids)
+    }
+
+    fn commit_in(&self, st: &mut State, layer: usize, ids: Option<&[SeqId]>) -> Result<()> {
+        let Some(Some(l)) = st.layers.get_mut(layer) else {
+            return Ok(());
+        };
+        let Some(p) = l.pending.as_mut() else {
+            return Ok(());
+        };
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        let mut done = Vec::new();
+        for (span, committed) in p.spans.iter_mut() {
+            let (id, start, offset, n) = *span;
+            if *committed || ids.is_some_and(|ids| !ids.contains(&id)) {
+                continue;
+            }
+            *committed = true;
+            let Some(&slot) = st.slots.get(&id) else {
+                continue;
+            };
+            let base = slot * (self.sinks + self.ring);
+            let end = start + n;
+            let meta = st.meta.get(&id).and_then(|m| m.get(layer)).copied();
+            let sinks_held = meta.map_or(0, |m| m.sinks);
+            for pos in start..end.min(sinks_held) {
+                src.push((offset + pos - start) as u32);
+                dst.push((base + pos) as u32);
+            }
+            // The next query (at `end`) sees `end + 1 − N ..`: the write's last N − 1 rows.
+            let from = start.max((end + 1).saturating_sub(self.ring));
+            for pos in from..end {
+                src.push((offset + pos - start) as u32);
+                dst.push((base + self.sinks + pos % self.ring) as u32);
+            }
+            done.push((id, from, end));
+        }
+        if !src.is_empty() {
+            let (idx, to) = match &st.last {
+                Some((s, d, idx, to)) if *s == src && *d == dst => (idx.clone(), to.clone()),
+                _ => {
+                    let idx = Tensor::new(src.as_slice(), &self.device)?;
+                    let to = Arc::new(SlotRows::new(dst.clone()));
+                    st.last = Some((src, dst, idx.clone(), to.clone()));
+                    (idx, to)
+                }
+            };
+            scatter_rows(&l.k, &to, &p.k.index_select(&idx, 0)?)?;
+            scatter_rows(&l.v, &to, &p.v.index_select(&idx, 0)?)?;
+        }
+        let r = self.ring;
+        for (id, from, end) in done {
+            let Some(m) = st.meta.get_mut(&id).and_then(|m| m.get_mut(layer)) else {
+                continue;
+            };
+            // Rows of `from..end` are now in the ring, and they overwrote `from − R .. end − R`.
+            // Older intact rows stay usable only if they join on (no gap) and were not
+            // overwritten by positions past `end` (a rewind): the last R before were intact.
+            m.lo = if from > m.hi || m.lo >= m.hi {
+                from
+            } else {
+                m.lo.max(m.hi.saturating_sub(r))
+                    .max(end.saturating_sub(r))
+                    .min(from)
+            };
+            m.hi = end;
+        }
+        Ok(())
+    }
+
+    /// The slot of `id`, given one (and the pools grown) if it has none.
+    fn slot_of(&self, st: &mut State, id: SeqId) -> Result<usize> {
+        if let Some(&s) = st.slots.get(&id) {
+            return Ok(s);
+        }
+        let s = match st.free.pop() {
+            Some(s) => s,
+            None => {
+                let used = st.slots.len();
+                if used >= st.nslots {
+                    // Doubling: rows keep their indices, the new slots start zeroed.
+                    let add = st.nslots * (self.sinks + self.ring);
+                    for l in st.layers.iter_mut().flatten() {
+                        let z = Tensor::zeros((add, self.width), DType::F16, &self.device)?;
+                        l.k = Tensor::cat(&[&l.k, &z], 0)?;
+                        l.v = Tensor::cat(&[&l.v, &z], 0)?;
+                    }
+                    st.nslots *= 2;
+                }
+                used
+            }
+        };
+        st.slots.insert(id, s);
+        Ok(s)
+    }
+
+    /// `layer`'s rings and, per sequence of `ids`, what its queries read.
+    pub(super) fn view(&self, layer: usize, ids: &[SeqId]) -> Option<(RingView, Vec<RingSeq>)> {
+        let st = self.lock();
+        let l = st.layers.get(layer)?.as_ref()?;
+        let (new_k, new_v) = match &l.pending {
+            Some(p) => (p.k.clone(), p.v.clone()),
+            None => (l.k.clone(), l.v.clone()),
+        };
+        let seqs = ids
+            .iter()
+            .map(|id| {
+                let m = st
+                    .meta
+                    .get(id)
+                    .and_then(|m| m.get(layer))
+                    .copied()
+                    .unwrap_or_default();
+                let base = st.slots.get(id).map_or(0, |s| s * (self.sinks + self.ring));
+                let span = l.pending.as_ref().and_then(|p| {
+                    p.spans
+                        .iter()
+                        .find(|((sid, ..), committed)| sid == id && !committed)
+                });
+                let (start, end, wstart, woff) = match span {
+                    Some(&((_, ws, off, n), _)) => {
+                        // Ring rows join this write's rows only without a gap before it.
+                        let lo = if m.lo < m.hi && m.lo <= ws && ws <= m.hi {
+                            m.lo
+                        } else {
+                            ws
+                        };
+                        (lo, ws + n, ws as u32, off as u32)
+                    }
+                    None => (m.lo, m.hi, u32::MAX, 0),
+                };
+                RingSeq {
+                    base: base as u32,
+                    start,
+                    end,
+                    sinks: m.sinks,
+                    wstart,
+                    woff,
+                }
+            })
+            .collect();
+        let view = RingView {
+            k: l.k.clone(),
+            v: l.v.clone(),
+            new_k,
+            new_v,
+            sinks: self.sinks,
+            ring: self.ring,
+        };
+        Some((view, seqs))
+    }
+
+    pub(super) fn remove(&self, id: SeqId) {
+        let mut st = self.lock();
+        st.meta.remove(&id);
+        if let Some(s) = st.slots.remove(&id) {
+            st.free.push(s);
+        }
+    }
+}

@@ -328,6 +328,12 @@ impl Rings {
     pub(super) fn remove(&self, id: SeqId) {
         let mut st = self.lock();
         st.meta.remove(&id);
+        // Its pending rows go too: a later sequence in its slot must not take them.
+        for l in st.layers.iter_mut().flatten() {
+            for (span, committed) in l.pending.iter_mut().flat_map(|p| p.spans.iter_mut()) {
+                *committed |= span.0 == id;
+            }
+        }
         if let Some(s) = st.slots.remove(&id) {
             st.free.push(s);
         }

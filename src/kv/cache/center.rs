@@ -26,11 +26,18 @@ use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId, WriteSpan};
 /// Each sequence's key means, per layer (`[1, width]`, f32; `None` until the sequence's first
 /// write to the layer).
 #[derive(Debug, Default)]
-pub(super) struct Centers(Mutex<HashMap<SeqId, Vec<Option<Tensor>>>>);
+pub(super) struct Centers(Mutex<Means>);
+
+/// The means by sequence.
+type Means = HashMap<SeqId, Vec<Option<Tensor>>>;
 
 impl Centers {
+    fn map(&self) -> std::sync::MutexGuard<'_, Means> {
+        self.0.lock().expect("poisoned centers")
+    }
+
     pub(super) fn remove(&self, id: SeqId) {
-        self.0.lock().expect("poisoned centers").remove(&id);
+        self.map().remove(&id);
     }
 }
 
@@ -46,7 +53,7 @@ impl PagedKvCache {
         if !self.cfg.center {
             return Ok(Vec::new());
         }
-        let map = self.centers.0.lock().expect("poisoned centers");
+        let map = self.centers.map();
         let means = map.get(&id);
         (0..self.cfg.num_layers)
             .map(|l| {
@@ -90,22 +97,13 @@ impl PagedKvCache {
                     .transpose()
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        self.centers
-            .0
-            .lock()
-            .expect("poisoned centers")
-            .insert(id, per_layer);
+        self.centers.map().insert(id, per_layer);
         Ok(())
     }
 
     /// Whether `id` may take rows as they are: with centred keys, only once it has their means.
     pub(super) fn check_centred_import(&self, id: SeqId) -> Result<()> {
-        let has = self
-            .centers
-            .0
-            .lock()
-            .expect("poisoned centers")
-            .contains_key(&id);
+        let has = self.centers.map().contains_key(&id);
         if self.cfg.center && !has {
             return Err(CacheError::Rows(format!(
                 "sequence {id}: its keys are stored centred (--kv-center), but the rows to \
@@ -120,7 +118,7 @@ impl PagedKvCache {
     /// Rows no span names are left as they are.
     pub(super) fn centred(&self, layer: usize, spans: &[WriteSpan], k: &Tensor) -> Result<Tensor> {
         let (rows, width) = k.dims2()?;
-        let mut map = self.centers.0.lock().expect("poisoned centers");
+        let mut map = self.centers.map();
         // Row r of `k` takes mean `pick[r]` of `means` (rows no span names: a last row of zeros).
         let mut means = Vec::with_capacity(spans.len() + 1);
         let mut pick = vec![u32::MAX; rows];

@@ -40,8 +40,9 @@ impl PagedKvCache {
         self.tails.with(id, layer, f)
     }
 
-    /// `layer`'s device copies and, per sequence of `ids`, what its queries read (`None`: the
-    /// copies are in host memory, [`PagedKvCache::with_residual`]).
+    /// `layer`'s device copies and, per sequence of `ids` (none when the caller has what they
+    /// read already), what its queries read (`None`: the copies are in host memory,
+    /// [`PagedKvCache::with_residual`]).
     #[cfg(feature = "cuda")]
     pub fn ring_view(
         &self,

@@ -440,9 +440,6 @@ pub fn decode_attention_step_lse(
 ) -> Result<(Tensor, Vec<f32>)> {
     let (block_tables, starts, lens) = (step.tables, step.starts, step.lens);
     let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
-    if dims.batch == 0 {
-        return Ok((q.zeros_like()?, Vec::new()));
-    }
     if !q.device().is_cpu() || !cpu_fuses(kv) {
         return Err(shape_err(
             "merging with other rows needs the fused CPU kernel (a CPU cache with K and V of one \
@@ -450,13 +447,16 @@ pub fn decode_attention_step_lse(
                 .into(),
         ));
     }
+    if dims.batch == 0 {
+        return Ok((q.zeros_like()?, Vec::new()));
+    }
     let t = read_tables(&dims, block_tables, starts, lens, step.host, true)?;
     in_rotated_space(q, rot, |q| cpu::decode_lse(q, kv, &dims, &t, scale))
 }
 
 /// [`decode_attention_step`] on the CUDA kernels with each query head's log-sum-exp (`[B·H]`
 /// f32, on the device; NaN for a query without positions, whose output is NaN too): quantized
-/// layers the fused kernels read. What `kv::attend::residual_gpu` merges with the dense part.
+/// layers the fused kernels read. What `kv::attend::residual::gpu` merges with the dense part.
 #[cfg(feature = "cuda")]
 pub fn cuda_step_lse(
     q: &Tensor,

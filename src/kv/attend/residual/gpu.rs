@@ -1,15 +1,16 @@
 //! The residual window on a CUDA cache: the quantized part through the fused decode kernels
 //! (which return each head's log-sum-exp), then `residual_merge` attends the dense copies kept
-//! on the device (`kv::cache::ring`) and merges the two in one launch. Per step the host uploads
-//! one small table (each query's parts, the same in every layer) and nothing is read back.
+//! on the device (`kv::cache::ring`) and merges the two in one launch. Per step the host builds
+//! and uploads one small table (each query's parts, the same in every layer) and nothing is read
+//! back.
 
 use candle_core::{Result, Tensor};
 
-use super::super::decode::{self, DenseRows, HostTables};
+use super::super::decode::{self, DenseRows, HostTables, StepTables};
 use super::super::plan::{DecodeGroup, GroupTables, SeqSlice};
-use super::{cut_step, members, parts, Held};
+use super::{members, parts, Held};
 use crate::kv::cache::ring::RingSeq;
-use crate::kv::cache::PagedKvCache;
+use crate::kv::cache::{PagedKvCache, SeqId};
 
 /// [`super::attend`] on the device.
 pub(super) fn attend(
@@ -25,18 +26,20 @@ pub(super) fn attend(
     let n_q = q.dim(0)?;
     let keep = cache.residual(layer);
     let (seq_of, ids) = members(g, batch, n_q)?;
-    let (rings, seqs) = cache.ring_view(layer, &ids).ok_or_else(|| {
+    // Every layer of a step writes the same spans, so its copies hold the same positions: the
+    // step's first layer builds and uploads the table (each query's parts), the others reuse it
+    // and ask the copies for their tensors only.
+    let cached = t.residual.get().cloned();
+    let asked: &[SeqId] = if cached.is_some() { &[] } else { &ids };
+    let (rings, seqs) = cache.ring_view(layer, asked).ok_or_else(|| {
         candle_core::Error::Msg(format!("layer {layer}: no device copies for --kv-residual"))
     })?;
-    let host = &t.host;
-    let (qs, lo) = parts(host, &seq_of, &held(&seqs), keep);
-    // Every layer of a step writes the same spans, so its copies hold the same positions: the
-    // step's first layer uploads the table, the others reuse it.
     let seg = n_q.next_multiple_of(4); // segments start 16-byte aligned
-    let up = match t.residual.get() {
-        Some(up) => up.clone(),
+    let up = match cached {
+        Some(up) => up,
         None => {
-            let words = table(host, &seqs, &seq_of, (&qs, &lo), seg);
+            let (qs, lo) = parts(&t.host, &seq_of, &held(&seqs), keep);
+            let words = table(&t.host, &seqs, &seq_of, (&qs, &lo), seg);
             let up = Tensor::new(words.as_slice(), q.device())?;
             t.residual.get_or_init(|| up.clone());
             up
@@ -44,7 +47,13 @@ pub(super) fn attend(
     };
     let (starts_q, lens_q) = (up.narrow(0, 0, n_q)?, up.narrow(0, seg, n_q)?);
     let info = up.narrow(0, 2 * seg, 8 * n_q)?.reshape((n_q, 8))?;
-    let step = cut_step(t, (&starts_q, &lens_q), (&qs, &lo));
+    // The CUDA kernels read the device tables only.
+    let step = StepTables {
+        tables: &t.tables,
+        starts: &starts_q,
+        lens: &lens_q,
+        host: None,
+    };
     let (oq, lse) = decode::cuda_step_lse(
         q,
         cache.layer_storage(layer, g.main),

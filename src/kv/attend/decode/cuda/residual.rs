@@ -59,7 +59,8 @@ pub fn residual_merge(
             _ => return Err(err(format!("residual merge: {name} is {:?}", t.shape()))),
         }
     }
-    if d.info.dims() != [n_q, 8] || oq.dims() != q.dims() || lse.dims() != [n_q * heads] {
+    let same = oq.dims() == q.dims() && oq.dtype() == q.dtype();
+    if d.info.dims() != [n_q, 8] || !same || lse.dims() != [n_q * heads] {
         return Err(err(
             "residual merge: info, output or log-sum-exp of the wrong shape",
         ));
@@ -68,9 +69,8 @@ pub fn residual_merge(
         return Ok(oq.clone());
     }
     let group = heads / kvh;
-    let oq = oq.to_dtype(q.dtype())?;
     let [q, oq, lse, rk, rv, nk, nv, info] =
-        [q, &oq, lse, d.ring_k, d.ring_v, d.new_k, d.new_v, d.info].map(aligned);
+        [q, oq, lse, d.ring_k, d.ring_v, d.new_k, d.new_v, d.info].map(aligned);
     let (q, oq, lse, rk, rv) = (q?, oq?, lse?, rk?, rv?);
     let (nk, nv, info) = (nk?, nv?, info?);
     let dev = q.device().as_cuda_device()?.clone();

@@ -19,7 +19,8 @@
 // The parts, in kernels/decode/: codes.cuh (codes as floats, fast exp, the rotation), block.cuh
 // (the block-wide kernel above), warp_shape.cuh / warp_scores.cuh / warp_values.cuh / warp.cuh
 // (the warp-independent kernel: its sizes, its steps, its loop), async.cuh (cp.async, ldmatrix,
-// mma), merge.cuh (the split merge). This file holds the entry points the host looks up by name.
+// mma), merge.cuh (the split merge), residual.cuh and window.cuh (--kv-residual's dense rows:
+// after the block-wide kernel, and as the warp kernel's extra split). This file holds the entry points the host looks up by name.
 // Every entry point starts with pdl_start() (common.cuh): the host launches them as programmatic
 // dependents (src/device/kernels/pdl.rs).
 #include "decode/block.cuh"
@@ -79,19 +80,31 @@ KVQ_MERGE(bf16, __nv_bfloat16)
         const T* vs, const T* vb, const uint32_t* tables, const uint32_t* starts,                   \
         const uint32_t* lens, int max_blocks, int num_blocks, int block_size, int kvh, int G,        \
         int group, int split_len, float* part_acc, float* part_ml, const float* signs, int rotated,  \
-        T* out, unsigned* counters, int nsplit, float* lse
+        T* out, unsigned* counters, int nsplit
 #define KVQ_Q_PASS                                                                                   \
     q, scale, kc, ks, kb, vc, vs, vb, tables, starts, lens, max_blocks, num_blocks, block_size, kvh, \
-        G, group, split_len, part_acc, part_ml, signs, rotated, out, counters, nsplit, lse
+        G, group, split_len, part_acc, part_ml, signs, rotated, out, counters, nsplit
+// The window instances (_w) take the rows after the plain arguments (decode/residual.cuh).
+#define KVQ_Q_ARGS_W(T)                                                                               \
+    KVQ_Q_ARGS(T), const __half *ring_k, const __half *ring_v, const __half *new_k,                 \
+        const __half *new_v, const uint32_t *win_info, int win_s, int win_r, int win_width,          \
+        int win_splits
+#define KVQ_WIN_PASS WinRows{ring_k, ring_v, new_k, new_v, win_info, win_s, win_r, win_width, win_splits}
+#define KVQ_NO_WIN WinRows{nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0}
 
 // SIMT scores, KB-bit keys and VB-bit values: decode_q_<dtype>_b<W>_d<head_dim>, W the one width,
-// or <key bits>v<value bits> for keys one bit wider (the splits of --kv-bits 2.5 … 5.5).
-#define KVQ_QW(TNAME, T, KB, VB, W, D)                                                               \
+// or <key bits>v<value bits> for keys one bit wider (the splits of --kv-bits 2.5 … 5.5). Every
+// quantized warp kernel also comes as <name>_w, with --kv-residual's window blocks
+// (decode/window.cuh; WIN in qdecode_impl).
+#define KVQ_QW1(TNAME, T, KB, VB, W, D, SUF, WIN, ARGS, ROWS)                                        \
     extern "C" __global__ void __launch_bounds__(QW * 32, 4)                                        \
-        decode_q_##TNAME##_b##W##_d##D(KVQ_Q_ARGS(T)) {                                                \
+        decode_q_##TNAME##_b##W##_d##D##SUF(ARGS(T)) {                                                 \
         pdl_start();                                                                                \
-        qdecode_impl<T, KB, D, 0, VB>(KVQ_Q_PASS);                                                   \
+        qdecode_impl<T, KB, D, 0, VB, WIN>(KVQ_Q_PASS, ROWS);                                        \
     }
+#define KVQ_QW(TNAME, T, KB, VB, W, D)                                                               \
+    KVQ_QW1(TNAME, T, KB, VB, W, D, , false, KVQ_Q_ARGS, KVQ_NO_WIN)                                 \
+    KVQ_QW1(TNAME, T, KB, VB, W, D, _w, true, KVQ_Q_ARGS_W, KVQ_WIN_PASS)
 #define KVQ_Q(TNAME, T, B, D) KVQ_QW(TNAME, T, B, B, B, D)
 
 // Tensor-core scores, 4- and 8-bit: decode_qm_<dtype>_b<bits>_d<head_dim>_g<group>. 4-bit fits
@@ -99,12 +112,15 @@ KVQ_MERGE(bf16, __nv_bfloat16)
 // 96 without spilling (5 blocks, measured faster on the H100 end to end; the other groups spill
 // there); 8-bit needs more (3). The host asks the driver.
 #define KVQ_QM_BLOCKS(B, D, GS) ((B) == 4 ? ((D) == 128 && (GS) == 64 ? 5 : 4) : 3)
-#define KVQ_QM(TNAME, T, B, D, GS)                                                                   \
+#define KVQ_QM1(TNAME, T, B, D, GS, SUF, WIN, ARGS, ROWS)                                            \
     extern "C" __global__ void __launch_bounds__(QW * 32, KVQ_QM_BLOCKS(B, D, GS))                  \
-        decode_qm_##TNAME##_b##B##_d##D##_g##GS(KVQ_Q_ARGS(T)) {                                       \
+        decode_qm_##TNAME##_b##B##_d##D##_g##GS##SUF(ARGS(T)) {                                        \
         pdl_start();                                                                                \
-        qdecode_impl<T, B, D, GS>(KVQ_Q_PASS);                                                       \
+        qdecode_impl<T, B, D, GS, B, WIN>(KVQ_Q_PASS, ROWS);                                         \
     }
+#define KVQ_QM(TNAME, T, B, D, GS)                                                                   \
+    KVQ_QM1(TNAME, T, B, D, GS, , false, KVQ_Q_ARGS, KVQ_NO_WIN)                                     \
+    KVQ_QM1(TNAME, T, B, D, GS, _w, true, KVQ_Q_ARGS_W, KVQ_WIN_PASS)
 
 #define KVQ_QKV_D(TNAME, T, D)                                                                       \
     KVQ_QW(TNAME, T, 3, 2, 3v2, D) KVQ_QW(TNAME, T, 4, 3, 4v3, D) KVQ_QW(TNAME, T, 5, 4, 5v4, D)     \
@@ -129,7 +145,8 @@ KVQ_Q_ALL(bf16, __nv_bfloat16)
 // Dense f16 / bf16 pools on the warp kernel's SIMT steps (16-bit "codes": the values
 // themselves, no scales): decode_q_<dtype>_b16_d64 (at head_dim 128 the block-wide dense kernel
 // measured faster; src/kv/attend/decode/cuda/plan.rs).
-KVQ_Q(f16, __half, 16, 64) KVQ_Q(bf16, __nv_bfloat16, 16, 64)
+KVQ_QW1(f16, __half, 16, 16, 16, 64, , false, KVQ_Q_ARGS, KVQ_NO_WIN)
+KVQ_QW1(bf16, __nv_bfloat16, 16, 16, 16, 64, , false, KVQ_Q_ARGS, KVQ_NO_WIN)
 
 KVQ_ALL(f32, float)
 KVQ_ALL(f16, __half)

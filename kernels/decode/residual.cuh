@@ -1,5 +1,6 @@
-// kvq: the dense part of --kv-residual on the GPU, merged with the quantized part
-// (src/kv/attend/residual/gpu.rs). One block per (query row, KV head): the query heads of that KV
+// kvq: the dense part of --kv-residual on the GPU (src/kv/attend/residual/gpu.rs): the rows'
+// layout and, after the block-wide quantized kernel (the warp kernel attends them itself as one
+// more split, window.cuh), their merge with its output. One block per (query row, KV head): the query heads of that KV
 // head attend the row's dense positions — its sinks [st, hs) and its window [lo, len) — whose f16
 // copies sit in the layer's rings (positions before this step's write: the sequence's sink rows,
 // or ring row p mod R) or among the rows this step writes (`new_k`, `new_v`), as one online
@@ -7,6 +8,29 @@
 // position splits are (merge.cuh), and written over the quantized part's output.
 #pragma once
 #include "codes.cuh"
+
+// The dense rows of a step's queries: the layer's rings (`[slots · (S + R), width]` f16: a
+// sequence's S sink rows, then its ring, position p at row S + p mod R), this step's new rows
+// (`[T, width]`) and per query row eight words of `info` (below). Null `info`: no window. The
+// warp kernel attends them in `splits` blocks per head chunk (window.cuh).
+struct WinRows {
+    const __half* ring_k;
+    const __half* ring_v;
+    const __half* new_k;
+    const __half* new_v;
+    const uint32_t* info;
+    int S, R, width, splits;
+};
+
+// Row jj of a query's dense rows (its nsink sinks, then its window) in `in` (its info words):
+// its row among this step's new rows (`fresh`) or in the rings.
+__device__ __forceinline__ size_t window_row(const uint32_t* in, uint32_t jj, uint32_t nsink,
+                                             uint32_t S, uint32_t R, bool& fresh) {
+    const bool sink = jj < nsink;
+    const uint32_t p = sink ? in[0] + jj : in[2] + (jj - nsink);
+    fresh = p >= in[5];
+    return fresh ? (size_t)in[6] + (p - in[5]) : (size_t)in[4] + (sink ? p : S + p % R);
+}
 
 // Rows per tile: one per thread, as many as keep the tile's V rows in 16 KB of shared memory.
 __device__ __host__ __forceinline__ int residual_tile(int D, int threads) {
@@ -29,8 +53,7 @@ __device__ __forceinline__ void residual_merge_impl(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     const int TJ = residual_tile(D, blockDim.x);
     const uint32_t* in = info + (size_t)r * 8;
-    const uint32_t st = in[0], hs = in[1], lo = in[2], len = in[3], base = in[4];
-    const uint32_t wstart = in[5], woff = in[6];
+    const uint32_t st = in[0], hs = in[1], lo = in[2], len = in[3];
     const bool qempty = in[7] != 0;
     const uint32_t nsink = hs > st ? hs - st : 0, nwin = len > lo ? len - lo : 0;
     const uint32_t n = nsink + nwin;
@@ -56,12 +79,8 @@ __device__ __forceinline__ void residual_merge_impl(
         const int tn = (int)min((uint32_t)TJ, n - t0);
         if (tid < tn) {
             // This thread's row: a sink, a ring row, or one of this step's new rows.
-            const uint32_t jj = t0 + tid;
-            const bool sink = jj < nsink;
-            const uint32_t p = sink ? st + jj : lo + (jj - nsink);
-            const bool fresh = p >= wstart;
-            const size_t row = fresh ? (size_t)woff + (p - wstart)
-                                     : (size_t)base + (sink ? p : (uint32_t)S + p % (uint32_t)R);
+            bool fresh;
+            const size_t row = window_row(in, t0 + tid, nsink, (uint32_t)S, (uint32_t)R, fresh);
             const size_t at = row * (size_t)width + (size_t)kh * D;
             const uint4* kr = reinterpret_cast<const uint4*>((fresh ? new_k : ring_k) + at);
             const uint4* vr = reinterpret_cast<const uint4*>((fresh ? new_v : ring_v) + at);

@@ -6,6 +6,7 @@
 #include "warp_scores.cuh"
 #include "warp_values.cuh"
 #include "merge.cuh"
+#include "window.cuh"
 
 // This block's (max, sum, weighted V) of each head from its warps' totals, for its split; NaN
 // for a bad sequence or block id.
@@ -39,18 +40,19 @@ __device__ __forceinline__ void warp_combine(
     }
 }
 
-// The last block of this (sequence, KV head, head chunk) to finish merges the live splits'
-// partials into the output (no separate merge launch; the partials are still in L2), rotated
-// back for the rotated scheme, with each head's log-sum-exp into `lse` when it is not null, and
-// leaves the counter at 0 for the next call.
-template <typename T, int D, typename Wacc>
+// The last block of this (sequence, KV head, head chunk) to finish (of the `live` quantized
+// splits and the window's, when there is one) merges the live splits' partials into the output
+// (no separate merge launch; the partials are still in L2), rotated back for the rotated scheme,
+// then with the window's partials (splits nsplit, nsplit + 1, ...; window.cuh), and leaves the
+// counter at 0 for the next call.
+template <typename T, int D, bool WIN, typename Wacc>
 __device__ __forceinline__ void warp_merge_last(
-    int tid, int b, int kvh, int kh, int Bn, int H, int G, int j0, int gn, int nsplit, int rotated,
-    const float* __restrict__ signs, Wacc wacc, const float* __restrict__ part_acc,
+    int tid, int b, int kvh, int kh, int Bn, int H, int G, int j0, int gn, int live, int nsplit,
+    int rotated, const float* __restrict__ signs, Wacc wacc, const float* __restrict__ part_acc,
     const float* __restrict__ part_ml, T* __restrict__ out, unsigned* __restrict__ counters,
-    float* __restrict__ lse) {
+    const WinRows& w) {
     const size_t cidx = ((size_t)b * kvh + kh) * gridDim.z + blockIdx.z;
-    if (!last_to_finish(counters, cidx, nsplit)) return;
+    if (!last_to_finish(counters, cidx, live + (WIN ? w.splits : 0))) return;
     const size_t hstride = (size_t)Bn * H;  // one split's stride, in heads
     float* o_s = &wacc(0)[0][0];             // [QG][D]
     // Each thread owns IT (head, dim) outputs.
@@ -67,21 +69,59 @@ __device__ __forceinline__ void warp_merge_last(
         dd[k] = i % D;
         in[k] = i / D < gn;
     }
-    merge_splits<IT>(part_acc, part_ml, hstride, D, nsplit, hr, dd, in, o, l);
+    merge_splits<IT>(part_acc, part_ml, hstride, D, live, hr, dd, in, o, l);
+    if constexpr (!WIN) {
 #pragma unroll
-    for (int k = 0; k < IT; k++) {
-        if (!in[k]) continue;
-        if (lse != nullptr && dd[k] == 0) lse[hr[k]] = l[k];
-        if (rotated) o_s[tid + k * QW * 32] = o[k];
-        else out[hr[k] * D + dd[k]] = from_f<T>(o[k]);
+        for (int k = 0; k < IT; k++) {
+            if (!in[k]) continue;
+            if (rotated) o_s[tid + k * QW * 32] = o[k];
+            else out[hr[k] * D + dd[k]] = from_f<T>(o[k]);
+        }
+        if (tid == 0) counters[cidx] = 0;
+        if (!rotated) return;
+        __syncthreads();
+        fwht<D>(o_s, gn, tid, blockDim.x);
+        const float nrm = inv_sqrt_d(D);
+        for (int i = tid; i < gn * D; i += blockDim.x)
+            out[(hb + i / D) * D + i % D] = from_f<T>(o_s[i] * nrm * signs[i % D]);
+        return;
     }
+    // With a window: rotate back first, then merge with the window's partials.
     if (tid == 0) counters[cidx] = 0;
-    if (!rotated) return;
+    if (rotated) {
+#pragma unroll
+        for (int k = 0; k < IT; k++)
+            if (in[k]) o_s[tid + k * QW * 32] = o[k];
+        __syncthreads();
+        fwht<D>(o_s, gn, tid, blockDim.x);
+        const float nrm = inv_sqrt_d(D);
+#pragma unroll
+        for (int k = 0; k < IT; k++)
+            if (in[k]) o[k] = o_s[tid + k * QW * 32] * nrm * signs[dd[k]];
+    }
+    window_merge<IT>(w.info[(size_t)b * 8 + 7] != 0, part_acc, part_ml, (size_t)nsplit * hstride,
+                     hstride, w.splits, D, hr, dd, in, l, o);
+#pragma unroll
+    for (int k = 0; k < IT; k++)
+        if (in[k]) out[hr[k] * D + dd[k]] = from_f<T>(o[k]);
+}
+
+// A window block (window.cuh) of this head chunk, beside the quantized splits: the partial of
+// its rows, then the merge if it is the last to finish.
+template <typename T, int D, typename Wacc>
+__device__ __forceinline__ void window_block(
+    const T* __restrict__ q, float scale, const WinRows& w, int tid, int b, int kvh, int kh,
+    int Bn, int H, int G, int j0, int gn, int live, int nsplit, int rotated,
+    const float* __restrict__ signs, float (*wm_s)[QG], float (*wl_s)[QG], Wacc wacc, int& bad_s,
+    float* __restrict__ part_acc, float* __restrict__ part_ml, T* __restrict__ out,
+    unsigned* __restrict__ counters) {
+    const int split = blockIdx.y;
+    window_split<T, D>(q, scale, w, split - nsplit, b, kh, H, G, j0, gn, wm_s, wl_s, wacc, bad_s);
     __syncthreads();
-    fwht<D>(o_s, gn, tid, blockDim.x);
-    const float nrm = inv_sqrt_d(D);
-    for (int i = tid; i < gn * D; i += blockDim.x)
-        out[(hb + i / D) * D + i % D] = from_f<T>(o_s[i] * nrm * signs[i % D]);
+    warp_combine<D>(tid, split, Bn, b, H, kh, G, j0, gn, bad_s, wm_s, wl_s, wacc, part_acc,
+                    part_ml);
+    warp_merge_last<T, D, true>(tid, b, kvh, kh, Bn, H, G, j0, gn, live, nsplit, rotated, signs,
+                                wacc, part_acc, part_ml, out, counters, w);
 }
 
 // One sequence's block table inside a split ending at p1. block_of: a position's block (or an
@@ -116,8 +156,11 @@ template <bool MMA> struct SeqBlocks {
 };
 
 // VB: the width of the value codes when it differs from the keys' B (SIMT only: keys one bit
-// wider than values, the splits of --kv-bits 2.5 … 5.5); the steps that read V take it.
-template <typename T, int B, int D, int GS, int VB = B>
+// wider than values, the splits of --kv-bits 2.5 … 5.5); the steps that read V take it. WIN: the
+// instance with --kv-residual's window blocks (window.cuh); the plain instances are compiled
+// without them, whose code cost the tensor-core kernels 3–5% at head_dim 128 even unused (H200,
+// 4 × 8 KV heads at 16K: 0.053–0.055 → 0.056 ms).
+template <typename T, int B, int D, int GS, int VB = B, bool WIN = false>
 __device__ __forceinline__ void qdecode_impl(
     const T* __restrict__ q, float scale, const uint32_t* __restrict__ kc, const T* __restrict__ ks,
     const T* __restrict__ kb, const uint32_t* __restrict__ vc, const T* __restrict__ vs,
@@ -126,7 +169,7 @@ __device__ __forceinline__ void qdecode_impl(
     int num_blocks, int block_size, int kvh, int G, int group, int split_len,
     float* __restrict__ part_acc, float* __restrict__ part_ml, const float* __restrict__ signs,
     int rotated, T* __restrict__ out, unsigned* __restrict__ counters, int nsplit,
-    float* __restrict__ lse) {
+    const WinRows w) {
     using S = QShape<T, B, D, GS>;
     static_assert(VB == B || GS == 0, "mixed widths take the SIMT steps");
     constexpr bool MMA = S::MMA, VMMA = S::VMMA, SREG = S::SREG;
@@ -163,6 +206,11 @@ __device__ __forceinline__ void qdecode_impl(
     const uint32_t p0 = start + (uint32_t)split * (uint32_t)split_len;
     const uint32_t p1 = (uint32_t)min((long long)len, (long long)p0 + split_len);
     const int live = live_splits(bad_seq, start, len, split_len, nsplit);
+    if constexpr (WIN) if (split >= nsplit) {
+        return window_block<T, D>(q, scale, w, tid, b, kvh, kh, Bn, H, G, j0, gn, live, nsplit,
+                                  rotated, signs, wm_s, wl_s, wacc, bad_s, part_acc, part_ml, out,
+                                  counters);
+    }
     if (split >= live) return;
     // A (slot, KV head) pair is a head row: hrow = slot·kvh + kh (32-bit; the host checks the
     // pool's size), its codes at hrow·HB bytes, its scales and biases at hrow·hg.
@@ -259,6 +307,6 @@ __device__ __forceinline__ void qdecode_impl(
     __syncthreads();
     warp_combine<D>(tid, split, Bn, b, H, kh, G, j0, gn, bad_s, wm_s, wl_s, wacc, part_acc,
                     part_ml);
-    warp_merge_last<T, D>(tid, b, kvh, kh, Bn, H, G, j0, gn, live, rotated, signs, wacc,
-                          part_acc, part_ml, out, counters, lse);
+    warp_merge_last<T, D, WIN>(tid, b, kvh, kh, Bn, H, G, j0, gn, live, nsplit, rotated, signs,
+                               wacc, part_acc, part_ml, out, counters, w);
 }

@@ -345,13 +345,23 @@ mod tests {
         check_merged(&Device::Cpu, DType::F16, &[(8, 8), (5, 4), (3, 3)]);
     }
 
-    /// The same on the CUDA kernels, whose log-sum-exp comes out of their split merge; f32
-    /// scales, so the warp kernel keeps the queries f32 (it reads them in the scales' type).
+    /// The same on the CUDA warp kernels, which attend the window as more splits of their
+    /// launch (windows of 1 to 230 rows: one window block to several); f32 scales, so the warp
+    /// kernel keeps the queries f32 (it reads them in the scales' type).
     #[cfg(feature = "cuda")]
     #[test]
     fn cuda_merged_attention_matches_a_mixed_dense_reference() {
         let dev = Device::new_cuda(0).expect("a CUDA device");
         check_merged(&dev, DType::F32, &[(8, 8), (5, 4), (4, 4), (4, 3), (3, 3)]);
+    }
+
+    /// f32 queries over f16 scales take the block-wide kernels, whose merge returns the
+    /// log-sum-exp `residual_merge` needs (the warp kernels attend the window themselves).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_block_wide_kernels_merge_the_window_after() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        check_merged(&dev, DType::F16, &[(8, 8), (4, 4)]);
     }
 
     /// [`merged_attention_matches_a_mixed_dense_reference`] on `dev`, scales in `sdt`, for

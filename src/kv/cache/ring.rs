@@ -211,6 +211,9 @@ impl Rings {
             done.push((id, from, end));
         }
         if !src.is_empty() {
+            // A decode step commits every row it wrote, in order: no gather.
+            let whole =
+                src.len() == p.k.dim(0)? && src.iter().enumerate().all(|(i, &s)| s as usize == i);
             let (idx, to) = match &st.last {
                 Some((s, d, idx, to)) if *s == src && *d == dst => (idx.clone(), to.clone()),
                 _ => {
@@ -220,8 +223,15 @@ impl Rings {
                     (idx, to)
                 }
             };
-            scatter_rows(&l.k, &to, &p.k.index_select(&idx, 0)?)?;
-            scatter_rows(&l.v, &to, &p.v.index_select(&idx, 0)?)?;
+            let rows = |t: &Tensor| {
+                if whole {
+                    Ok(t.clone())
+                } else {
+                    t.index_select(&idx, 0)
+                }
+            };
+            scatter_rows(&l.k, &to, &rows(&p.k)?)?;
+            scatter_rows(&l.v, &to, &rows(&p.v)?)?;
         }
         let r = self.ring;
         for (id, from, end) in done {

@@ -428,7 +428,7 @@ fn in_rotated_space<T>(
 /// scaled scores (`[B·H]`, −∞ where a query has no positions): a query's `starts` may equal its
 /// `lens` (no positions; zeros out). What attention over the quantized part of a history needs
 /// to merge with attention over other rows (`kv::attend::residual`). Other devices and formats
-/// without a fused CPU kernel are refused ([`cuda_step_lse`] is CUDA's).
+/// without a fused CPU kernel are refused ([`cuda_step_window`] is CUDA's merge).
 pub fn decode_attention_step_lse(
     q: &Tensor,
     kv: &LayerKv,
@@ -454,11 +454,12 @@ pub fn decode_attention_step_lse(
     in_rotated_space(q, rot, |q| cpu::decode_lse(q, kv, &dims, &t, scale))
 }
 
-/// [`decode_attention_step`] on the CUDA kernels with each query head's log-sum-exp (`[B·H]`
-/// f32, on the device; NaN for a query without positions, whose output is NaN too): quantized
-/// layers the fused kernels read. What `kv::attend::residual::gpu` merges with the dense part.
+/// [`decode_attention_step`] on the CUDA kernels, merged with `--kv-residual`'s dense rows
+/// `rows` (each query's sinks and window; the step's tables cover the quantized part only): the
+/// quantized layers the fused kernels read. What `kv::attend::residual::gpu` runs.
 #[cfg(feature = "cuda")]
-pub fn cuda_step_lse(
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_step_window(
     q: &Tensor,
     kv: &LayerKv,
     step: &StepTables<'_>,
@@ -466,7 +467,8 @@ pub fn cuda_step_lse(
     num_kv_heads: usize,
     scale: f32,
     rot: Option<&Rotation>,
-) -> Result<(Tensor, Tensor)> {
+    rows: &DenseRows<'_>,
+) -> Result<Tensor> {
     let (block_tables, starts, lens) = (step.tables, step.starts, step.lens);
     let dims = check_shapes(q, kv, block_tables, starts, lens, block_size, num_kv_heads)?;
     if !q.device().is_cuda() || !cuda::reads(q, kv, &dims) {
@@ -476,10 +478,11 @@ pub fn cuda_step_lse(
                 .into(),
         ));
     }
-    let (o, lse) = cuda::decode_lse(q, kv, &dims, (block_tables, starts, lens), scale, rot, true)?;
-    let lse = lse.ok_or_else(|| shape_err("the CUDA kernel returned no log-sum-exp".into()))?;
-    Ok((o, lse))
+    if dims.batch == 0 {
+        return q.zeros_like();
+    }
+    cuda::decode_window(q, kv, &dims, (block_tables, starts, lens), scale, rot, rows)
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::residual::{residual_merge, DenseRows};
+pub use cuda::residual::DenseRows;

@@ -1,6 +1,6 @@
-//! The residual window on a CUDA cache: the quantized part through the fused decode kernels
-//! (which return each head's log-sum-exp), then `residual_merge` attends the dense copies kept
-//! on the device (`kv::cache::ring`) and merges the two in one launch. Per step the host builds
+//! The residual window on a CUDA cache: the fused decode kernels attend the quantized part and
+//! the dense copies kept on the device (`kv::cache::ring`) and merge the two, the warp kernels
+//! in one launch (the dense rows are one more split). Per step the host builds
 //! and uploads one small table (each query's parts, the same in every layer) and nothing is read
 //! back.
 
@@ -54,15 +54,6 @@ pub(super) fn attend(
         lens: &lens_q,
         host: None,
     };
-    let (oq, lse) = decode::cuda_step_lse(
-        q,
-        cache.layer_storage(layer, g.main),
-        &step,
-        cfg.block_size,
-        cfg.num_kv_heads,
-        scale,
-        cache.rotation(layer, g.main),
-    )?;
     let dense = DenseRows {
         ring_k: &rings.k,
         ring_v: &rings.v,
@@ -72,7 +63,16 @@ pub(super) fn attend(
         sinks: rings.sinks,
         ring: rings.ring,
     };
-    let out = decode::residual_merge(q, &oq, &lse, &dense, cfg.num_kv_heads, scale)?;
+    let out = decode::cuda_step_window(
+        q,
+        cache.layer_storage(layer, g.main),
+        &step,
+        cfg.block_size,
+        cfg.num_kv_heads,
+        scale,
+        cache.rotation(layer, g.main),
+        &dense,
+    )?;
     cache
         .commit_ring(layer, &ids)
         .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -93,7 +93,8 @@ fn held(seqs: &[RingSeq]) -> Vec<Option<Held>> {
 }
 
 /// The upload of one step: the quantized part's starts `qs` and lens `lo`, each in a segment
-/// of `seg` words, then per query the eight words `residual_merge` reads (residual.cuh).
+/// of `seg` words, then per query the eight words the window's kernels read (`info` in
+/// kernels/decode/residual.cuh).
 fn table(
     host: &HostTables,
     seqs: &[RingSeq],

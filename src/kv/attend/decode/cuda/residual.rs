@@ -1,13 +1,14 @@
-//! Launches `residual_merge_*` (kernels/decode/residual.cuh): `--kv-residual`'s dense part over
-//! the device copies, merged with the quantized part's output by the log-sum-exp the decode
-//! kernels return. A kernel of kvq's own because no crate attends a per-query mix of ring rows
-//! and a step's fresh rows, and merging in the same launch saves the round trip a separate
-//! dense attention and merge would cost in every layer.
+//! `--kv-residual`'s dense rows on the GPU. The warp kernels take them as one more split
+//! (kernels/decode/window.cuh; [`WinViews`] are those arguments); after the block-wide kernels
+//! (f32 queries over half scales), `residual_merge_*` (kernels/decode/residual.cuh) attends
+//! them and merges its result with the quantized part's output by the log-sum-exp that
+//! `decode_merge` returns. Kernels of kvq's own because no crate attends a per-query mix of ring
+//! rows and a step's fresh rows.
 
 use super::err;
 use crate::device::kernels::{aligned, kernel, view, Module};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig};
-use candle_core::{CudaStorage, DType, Result, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 /// Threads per block (four warps).
@@ -35,6 +36,84 @@ pub struct DenseRows<'a> {
     pub ring: usize,
 }
 
+impl DenseRows<'_> {
+    /// Whether these rows fit queries of `n_q` rows over `kvh` KV heads of head_dim `hd`.
+    pub(super) fn check(&self, n_q: usize, kvh: usize, hd: usize) -> Result<()> {
+        let width = kvh * hd;
+        for (name, t) in [("ring_k", self.ring_k), ("ring_v", self.ring_v)] {
+            match t.dims2() {
+                Ok((rows, w)) if w == width && t.dtype() == DType::F16 && rows > 0 => {}
+                _ => return Err(err(format!("residual window: {name} is {:?}", t.shape()))),
+            }
+        }
+        for (name, t) in [("new_k", self.new_k), ("new_v", self.new_v)] {
+            match t.dims2() {
+                Ok((_, w)) if w == width && t.dtype() == DType::F16 => {}
+                _ => return Err(err(format!("residual window: {name} is {:?}", t.shape()))),
+            }
+        }
+        if self.info.dims() != [n_q, 8] || self.info.dtype() != DType::U32 {
+            return Err(err(format!(
+                "residual window: info is {:?}, not [{n_q}, 8] u32",
+                self.info.shape()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The rows contiguous, in the warp kernel's order: ring K, ring V, new K, new V, info.
+    pub(super) fn tensors(&self) -> Result<[Tensor; 5]> {
+        let [a, b, c, d, e] =
+            [self.ring_k, self.ring_v, self.new_k, self.new_v, self.info].map(aligned);
+        Ok([a?, b?, c?, d?, e?])
+    }
+}
+
+/// Rows per window block of the warp kernels (WIN_ROWS in kernels/decode/window.cuh).
+pub(super) const WIN_ROWS: usize = 16;
+
+/// The window's arguments of a warp kernel (after its `nsplit`): the four row pools, `info`,
+/// then sinks, ring length, row width and window splits.
+pub(super) struct WinViews<'a> {
+    pub(super) rows: Vec<CudaView<'a, f16>>,
+    pub(super) info: CudaView<'a, u32>,
+    pub(super) ints: [i32; 4],
+}
+
+impl DenseRows<'_> {
+    /// The most rows a query reads here: its sinks and a full ring.
+    pub(super) fn most(&self) -> usize {
+        self.sinks + self.ring
+    }
+}
+
+impl<'a> WinViews<'a> {
+    /// Views of `held` (the storages of [`DenseRows::tensors`], in order).
+    pub(super) fn new<G: std::ops::Deref<Target = Storage>>(
+        held: &'a [(G, &'a Layout)],
+        d: &DenseRows,
+        width: usize,
+        splits: usize,
+    ) -> Result<Self> {
+        let rows = held[..4]
+            .iter()
+            .map(|(s, l)| view::<f16>(s, l))
+            .collect::<Result<_>>()?;
+        let i32_of =
+            |v: usize| i32::try_from(v).map_err(|_| err(format!("residual window: {v} too large")));
+        Ok(WinViews {
+            rows,
+            info: view::<u32>(&held[4].0, held[4].1)?,
+            ints: [
+                i32_of(d.sinks)?,
+                i32_of(d.ring.max(1))?,
+                i32_of(width)?,
+                i32_of(splits)?,
+            ],
+        })
+    }
+}
+
 /// Attention of `q` (`[Q, H, D]`) merged from the quantized part (`oq`, same shape, and its
 /// log-sum-exp `lse`, `[Q·H]`) and the dense rows `d`; `kvh` KV heads. Returns `[Q, H, D]` in
 /// q's dtype.
@@ -53,14 +132,9 @@ pub fn residual_merge(
             "residual merge: {heads} query heads over {kvh} KV heads of head_dim {hd}"
         )));
     }
-    for (name, t) in [("ring_k", d.ring_k), ("ring_v", d.ring_v)] {
-        match t.dims2() {
-            Ok((rows, w)) if w == width && t.dtype() == DType::F16 && rows > 0 => {}
-            _ => return Err(err(format!("residual merge: {name} is {:?}", t.shape()))),
-        }
-    }
+    d.check(n_q, kvh, hd)?;
     let same = oq.dims() == q.dims() && oq.dtype() == q.dtype();
-    if d.info.dims() != [n_q, 8] || !same || lse.dims() != [n_q * heads] {
+    if !same || lse.dims() != [n_q * heads] {
         return Err(err(
             "residual merge: info, output or log-sum-exp of the wrong shape",
         ));

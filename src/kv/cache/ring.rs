@@ -76,12 +76,14 @@ struct State {
     layers: Vec<Option<LayerRing>>,
     meta: HashMap<SeqId, Vec<Meta>>,
     /// The last commit's rows (pending rows → pool rows) and their device indices: every layer
-    /// of a step commits the same ones, so only the first uploads them.
+    /// of a step commits the same ones, so only the first uploads them (the gather's only when
+    /// a commit gathers).
     last: Option<Moves>,
 }
 
-/// Rows moved by a commit: pending row `src[i]` to pool row `dst[i]`, both also on the device.
-type Moves = (Vec<u32>, Vec<u32>, Tensor, Arc<SlotRows>);
+/// Rows moved by a commit: pending row `src[i]` to pool row `dst[i]`, both also on the device
+/// (`src` once a commit has gathered).
+type Moves = (Vec<u32>, Vec<u32>, Option<Tensor>, Arc<SlotRows>);
 
 /// The device copies of every sequence of a cache (see the module doc).
 pub(super) struct Rings {
@@ -214,24 +216,26 @@ impl Rings {
             // A decode step commits every row it wrote, in order: no gather.
             let whole =
                 src.len() == p.k.dim(0)? && src.iter().enumerate().all(|(i, &s)| s as usize == i);
-            let (idx, to) = match &st.last {
-                Some((s, d, idx, to)) if *s == src && *d == dst => (idx.clone(), to.clone()),
-                _ => {
-                    let idx = Tensor::new(src.as_slice(), &self.device)?;
-                    let to = Arc::new(SlotRows::new(dst.clone()));
-                    st.last = Some((src, dst, idx.clone(), to.clone()));
-                    (idx, to)
-                }
-            };
-            let rows = |t: &Tensor| {
-                if whole {
-                    Ok(t.clone())
+            if !matches!(&st.last, Some((s, d, ..)) if *s == src && *d == dst) {
+                let to = Arc::new(SlotRows::new(dst.clone()));
+                st.last = Some((src, dst, None, to));
+            }
+            if let Some((src, _, idx, to)) = st.last.as_mut() {
+                let (rk, rv) = if whole {
+                    (p.k.clone(), p.v.clone())
                 } else {
-                    t.index_select(&idx, 0)
-                }
-            };
-            scatter_rows(&l.k, &to, &rows(&p.k)?)?;
-            scatter_rows(&l.v, &to, &rows(&p.v)?)?;
+                    // The gather's indices, uploaded by the first commit that needs them.
+                    let idx = match idx {
+                        Some(i) => i.clone(),
+                        None => idx
+                            .insert(Tensor::new(src.as_slice(), &self.device)?)
+                            .clone(),
+                    };
+                    (p.k.index_select(&idx, 0)?, p.v.index_select(&idx, 0)?)
+                };
+                scatter_rows(&l.k, to, &rk)?;
+                scatter_rows(&l.v, to, &rv)?;
+            }
         }
         let r = self.ring;
         for (id, from, end) in done {

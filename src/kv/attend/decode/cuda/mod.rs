@@ -52,15 +52,6 @@ fn query_input(
     }
 }
 
-/// What a decode returns or reads besides its output: each head's log-sum-exp (from the
-/// block-wide merge), or the residual window's dense rows as one more split (warp kernels).
-#[derive(Clone, Copy)]
-enum Extra<'a> {
-    None,
-    Lse,
-    Window(&'a DenseRows<'a>),
-}
-
 /// Whether [`decode`] reads `kv` with queries `q`: one width for K and V, or keys one bit wider
 /// than values on the warp kernel (the block-wide kernel reads one width). Asked per layer and
 /// step: the planner's rule alone, not the whole choice (whose kernel name `decode` builds).
@@ -85,7 +76,7 @@ pub(super) fn decode(
     rot: Option<&Rotation>,
 ) -> Result<Tensor> {
     let tables = (block_tables, starts, lens);
-    Ok(run(q, kv, dims, tables, scale, rot, Extra::None)?.0)
+    Ok(run(q, kv, dims, tables, scale, rot, None)?.0)
 }
 
 /// [`decode`] merged with `--kv-residual`'s dense rows `rows` (each query's sinks and window):
@@ -100,21 +91,17 @@ pub(super) fn decode_window(
     rot: Option<&Rotation>,
     rows: &DenseRows,
 ) -> Result<Tensor> {
-    if matches!(kv, LayerKv::Dense { .. }) {
-        return Err(err("the residual window needs a quantized pool"));
-    }
     rows.check(dims.batch, dims.kv_heads, dims.head_dim)?;
-    if choose(q, kv, dims)?.warp {
-        return Ok(run(q, kv, dims, tables, scale, rot, Extra::Window(rows))?.0);
+    match run(q, kv, dims, tables, scale, rot, Some(rows))? {
+        (out, None) => Ok(out),
+        (oq, Some(lse)) => residual::residual_merge(q, &oq, &lse, rows, dims.kv_heads, scale),
     }
-    let (oq, lse) = run(q, kv, dims, tables, scale, rot, Extra::Lse)?;
-    let lse = lse.ok_or_else(|| err("the merge returned no log-sum-exp"))?;
-    residual::residual_merge(q, &oq, &lse, rows, dims.kv_heads, scale)
 }
 
-/// [`decode`], with each query head's log-sum-exp of its scaled scores (`[B·H]` f32; NaN for a
-/// sequence the kernels refuse, such as one with no positions) for `Extra::Lse` (block-wide
-/// kernels), or the window's split for `Extra::Window` (warp kernels).
+/// [`decode`], with the residual window's dense rows `window` when given (quantized pools only):
+/// a warp kernel attends them as more splits of its launch; a block-wide kernel does not, and
+/// returns each query head's log-sum-exp of its scaled scores (`[B·H]` f32; NaN for a sequence
+/// the kernels refuse, such as one with no positions) for the caller's `residual_merge`.
 fn run(
     q: &Tensor,
     kv: &LayerKv,
@@ -122,22 +109,21 @@ fn run(
     (block_tables, starts, lens): (&Tensor, &Tensor, &Tensor),
     scale: f32,
     rot: Option<&Rotation>,
-    extra: Extra,
+    window: Option<&DenseRows>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let d = dims.head_dim;
     let ints = kernel_ints(dims)?;
     let choice = choose(q, kv, dims)?;
     let warp_kernel = choice.warp;
-    let window = match extra {
-        Extra::Window(rows) => rows.most(),
-        _ => 0,
-    };
-    let dense = matches!(kv, LayerKv::Dense { .. });
-    if dense && !matches!(extra, Extra::None) || window > 0 && !warp_kernel {
-        return Err(err(
-            "a log-sum-exp or window is for quantized pools, a window for the warp kernels",
-        ));
+    if window.is_some() && matches!(kv, LayerKv::Dense { .. }) {
+        return Err(err("the residual window needs a quantized pool"));
     }
+    // The window's rows for a warp kernel; a block-wide one returns the log-sum-exp instead.
+    let (win_rows, want_lse) = match window {
+        Some(rows) if warp_kernel => (Some(rows), false),
+        w => (None, w.is_some()),
+    };
+    let window = win_rows.map_or(0, |rows| rows.most());
     let cdev = q.device().as_cuda_device()?;
     // The window takes the kernel's instance with window blocks (kernels/decode.cu).
     let name = match window {
@@ -180,22 +166,18 @@ fn run(
     let part_acc: CudaSlice<f32> = unsafe { dev.alloc::<f32>(ysplits * bh * d)? };
     let part_ml: CudaSlice<f32> = unsafe { dev.alloc::<f32>(ysplits * bh * 2)? };
     // Every head row's merge writes its entry.
-    let lse: Option<CudaSlice<f32>> = matches!(extra, Extra::Lse)
+    let lse: Option<CudaSlice<f32>> = want_lse
         .then(|| unsafe { dev.alloc::<f32>(bh) })
         .transpose()?;
-    let win_t = match extra {
-        Extra::Window(rows) => Some(rows.tensors()?),
-        _ => None,
-    };
+    let win_t = win_rows.map(|rows| rows.tensors()).transpose()?;
     let win_held: Vec<_> = win_t
         .iter()
         .flatten()
         .map(|t| t.storage_and_layout())
         .collect();
-    let win = match extra {
-        Extra::Window(rows) => Some(WinViews::new(&win_held, rows, dims.kv_heads * d, wsplits)?),
-        _ => None,
-    };
+    let win = win_rows
+        .map(|rows| WinViews::new(&win_held, rows, dims.kv_heads * d, wsplits))
+        .transpose()?;
     let smem = if warp_kernel {
         choice.smem // staging of the tensor-core kernels; the rest is static
     } else {

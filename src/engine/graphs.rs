@@ -12,8 +12,11 @@
 //! runs eagerly (it loads kernels and sizes candle's scratch buffers) and is then captured;
 //! later steps replay. Steps with prompt tokens, dense staging, mixed key/value widths other
 //! than keys one bit wider than values on the warp kernel, attention soft-capping, or windowed
-//! layers beside global ones (several layer groups) run eagerly as before. Outputs are identical
-//! either way.
+//! layers beside global ones (several layer groups) run eagerly as before, as does a sequence's
+//! first step under `--kv-center` or `--kv-residual` before its means or device copies exist.
+//! Under `--kv-residual` a step's rows go straight into the copies' rings (the host books them
+//! after the replay), and graphs are captured again when the copies' pools grow. Outputs are
+//! identical either way.
 
 use anyhow::Result;
 use candle_core::cuda_backend::cudarc::driver::CudaGraph;
@@ -62,6 +65,8 @@ pub struct DecodeGraphs {
     broken: bool,
     /// Kernel nodes of the graph of the most rows captured: (rows, kernels).
     kernels: Option<(usize, usize)>,
+    /// [`PagedKvCache::rings_moved`] when the graphs were captured.
+    rings_moved: u64,
 }
 
 impl DecodeGraphs {
@@ -74,6 +79,7 @@ impl DecodeGraphs {
             warmed: false,
             broken: false,
             kernels: None,
+            rings_moved: 0,
         }
     }
 
@@ -100,6 +106,7 @@ impl DecodeGraphs {
                 .iter()
                 .all(|i| i.tokens.len() == 1 && cache.in_main_pool(i.seq).unwrap_or(false))
             && (0..cache.config().num_layers).all(fused)
+            && cache.fixed_ready(&inputs.iter().map(|i| i.seq).collect::<Vec<_>>())
     }
 
     /// Runs the decode step of `inputs` (see [`DecodeGraphs::takes`]) and advances the cache.
@@ -127,6 +134,11 @@ impl DecodeGraphs {
         if !self.warmed {
             self.warm(model, cache, &batch, key.1)?;
         }
+        // The device copies' pools moved: every graph reads the old ones.
+        if self.rings_moved != cache.rings_moved() {
+            self.entries.clear();
+            self.rings_moved = cache.rings_moved();
+        }
         match self.entries.get_mut(&key) {
             Some(e) => {
                 e.step.fill(cache, &batch.slices, &batch.tokens)?;
@@ -136,7 +148,7 @@ impl DecodeGraphs {
                 if self.entries.len() >= MAX_GRAPHS {
                     self.entries.clear();
                 }
-                let mut step = FixedStep::new(cache, key.0, key.1)?;
+                let mut step = FixedStep::new(cache, key.0, key.1, model.dtype())?;
                 step.fill(cache, &batch.slices, &batch.tokens)?;
                 let vocab = model.config().vocab_size;
                 let picks = Tensor::zeros(2 * key.0, DType::U32, cache.device())?;
@@ -203,7 +215,7 @@ impl DecodeGraphs {
         let first = &batch.slices[..1];
         let token = &batch.tokens[..1];
         for rows in [self.max_rows.min(8), self.max_rows] {
-            let mut step = FixedStep::new(cache, rows, width)?;
+            let mut step = FixedStep::new(cache, rows, width, model.dtype())?;
             step.fill(cache, first, token)?;
             drop(model.forward_fixed(&step, cache)?);
         }
@@ -250,6 +262,8 @@ fn finish(
         true => Some(logits.narrow(0, 0, n)?.to_vec2()?),
         false => None,
     };
+    let rows: Vec<_> = slices.iter().map(|s| (s.seq, s.start)).collect();
+    cache.fixed_done(&rows);
     for s in slices {
         cache.advance(s.seq, s.n)?;
     }

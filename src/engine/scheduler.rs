@@ -101,10 +101,7 @@ impl<'m> Engine<'m> {
             bail!("--max-batch and --prefill-chunk must be at least 1");
         }
         #[cfg(feature = "cuda")]
-        // Centred keys are written with each sequence's own mean, eagerly (kv::cache::center);
-        // the residual window uploads each step's table and commits (kv::attend::residual::gpu).
-        let cache_is_cuda =
-            cache.device().is_cuda() && !cache.config().center && cache.config().residual == 0;
+        let cache_is_cuda = cache.device().is_cuda();
         Ok(Self {
             model,
             cache,

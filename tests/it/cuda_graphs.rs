@@ -4,7 +4,12 @@
 //! rows finish and join between steps (the batch moves between graph buckets), and 48 new
 //! tokens on 16-token blocks make every sequence grow into new blocks (replayed graphs must read
 //! the updated block tables). The same with the fused small-step projections on
-//! (`KVQ_GPU_GEMV=on`, model::gemv).
+//! (`KVQ_GPU_GEMV=on`, model::gemv). The residual window and centred keys (`--kv-residual`,
+//! `--kv-sinks`, `--kv-center`), whose steps write the rows' dense copies and subtract their
+//! means inside the graph, are checked the same way on the reference prompts, and on dummy
+//! weights of the default model's shape (no files needed) with prompts shorter and longer than
+//! the sinks, so that replayed steps write sink rows, wrap the rings, and recapture when the
+//! copies' pools grow.
 
 use crate::common::*;
 use serde_json::{json, Value};
@@ -39,9 +44,17 @@ fn run(
     gemv: bool,
 ) -> BTreeMap<String, Vec<u32>> {
     let out = dir.join(format!("out-{graphs}-{}-{gemv}.jsonl", kv.join("")));
-    let mut args = vec![
+    let mut args = vec![input.to_str().unwrap(), "--max-tokens", "48"];
+    args.extend(kv);
+    generated(&out, graphs, &args, gemv)
+}
+
+/// `kvq batch-generate` of `args` (input first) into `out` with `--cuda-graphs graphs`:
+/// generated tokens per request id.
+fn generated(out: &Path, graphs: &str, args: &[&str], gemv: bool) -> BTreeMap<String, Vec<u32>> {
+    let mut all = vec![
         "batch-generate",
-        input.to_str().unwrap(),
+        args[0],
         "-o",
         out.to_str().unwrap(),
         "--force",
@@ -49,8 +62,6 @@ fn run(
         "cuda",
         "--temp",
         "0",
-        "--max-tokens",
-        "48",
         "--max-batch",
         "5",
         "--kv-block-size",
@@ -59,10 +70,10 @@ fn run(
         "--cuda-graphs",
         graphs,
     ];
-    args.extend(kv);
-    let o = kvq_env(&args, &[("KVQ_GPU_GEMV", if gemv { "on" } else { "off" })]);
-    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
-    std::fs::read_to_string(&out)
+    all.extend(&args[1..]);
+    let o = kvq_env(&all, &[("KVQ_GPU_GEMV", if gemv { "on" } else { "off" })]);
+    assert!(o.status.success(), "{all:?}: {}", stderr(&o));
+    std::fs::read_to_string(out)
         .unwrap()
         .lines()
         .map(|l| {
@@ -83,6 +94,9 @@ fn graph_replay_equals_eager_launches_on_the_reference_prompts() {
         (&["--kv-bits", "4.5"], false),
         (&[][..], true),
         (&["--kv-bits", "4"], true),
+        (&["--kv-bits", "4", "--kv-center"], false),
+        (WINDOW, false),
+        (WINDOW, true),
     ] {
         let eager = run(dir.path(), &input, "off", kv, gemv);
         let graphs = run(dir.path(), &input, "on", kv, gemv);
@@ -93,5 +107,88 @@ fn graph_replay_equals_eager_launches_on_the_reference_prompts() {
             "{kv:?}: some cross 3 blocks"
         );
         assert_eq!(graphs, eager, "{kv:?}: graphs on vs off");
+    }
+}
+
+/// The best setting at 4.5 bits per value (README): K4/V3, 60 dense positions and 4 sinks,
+/// centred keys.
+const WINDOW: &[&str] = &[
+    "--kv-bits",
+    "3.5",
+    "--kv-residual",
+    "60",
+    "--kv-sinks",
+    "4",
+    "--kv-center",
+];
+
+#[test]
+fn graph_replay_equals_eager_under_the_window_on_dummy_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    // Raw prompts of 1 to 34 words: shorter and longer than the 12 sinks below.
+    let lines: Vec<String> = (0..12)
+        .map(|i| {
+            let words = vec!["the sky"; 1 + 3 * i].join(" ");
+            json!({"id": i, "prompt": words, "raw": true}).to_string()
+        })
+        .collect();
+    let input = dir.path().join("prompts.jsonl");
+    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let config = format!("{root}/fixtures/smollm2-135m/config.json");
+    let tokenizer = format!("{root}/fixtures/tiny/qwen2/hf/tokenizer.json");
+    let model = [
+        "--load-format",
+        "dummy",
+        "--config",
+        config.as_str(),
+        "--tokenizer",
+        tokenizer.as_str(),
+        "--max-tokens",
+        "40",
+    ];
+    for kv in [
+        &[
+            "--kv-bits",
+            "3.5",
+            "--kv-residual",
+            "8",
+            "--kv-sinks",
+            "12",
+            "--kv-center",
+        ][..],
+        &["--kv-bits", "4", "--kv-residual", "20"],
+        &["--kv-bits", "3", "--kv-center"],
+    ] {
+        let mut args = vec![input.to_str().unwrap()];
+        args.extend(model);
+        args.extend(kv);
+        let tag = kv.join("");
+        let eager = generated(&dir.path().join(format!("e{tag}")), "off", &args, false);
+        let graphs = generated(&dir.path().join(format!("g{tag}")), "on", &args, false);
+        assert_eq!(eager.len(), 12, "{kv:?}: every request answered");
+        assert!(eager.values().any(|t| t.len() == 40), "{kv:?}: 40 tokens");
+        assert_eq!(graphs, eager, "{kv:?}: graphs on vs off");
+        // The steps were replayed, not launched eagerly beside the graphs.
+        let mut bench = vec!["bench-batch", "--device", "cuda", "--no-warmup"];
+        bench.extend(&model[..6]);
+        bench.extend([
+            "--npp",
+            "40",
+            "--ntg",
+            "16",
+            "--npl",
+            "1,3",
+            "--ctx-size",
+            "64",
+        ]);
+        bench.extend(kv);
+        let o = kvq(&bench);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{bench:?}: {}", stderr(&o));
+        assert!(
+            out.contains("replayed as one CUDA graph"),
+            "{kv:?}: no replayed step in {out}"
+        );
     }
 }

@@ -7,13 +7,17 @@
 //! the real batch repeat row 0 (same token, position, slot and table): they write row 0's K/V
 //! again, bit for bit, into row 0's slot, and their outputs are ignored — no row of the batch
 //! depends on another, so padding changes nothing.
+//!
+//! Under `--kv-residual` the buffer also holds the window's table (what `residual::gpu`
+//! uploads in an eager step) and the ring rows the new rows go to; under `--kv-center` a second
+//! buffer holds each row's key means, refilled only when the batch's sequences change.
 
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::Arc;
 
 use super::decode::HostTables;
 use super::plan::{DecodeGroup, GroupTables, SeqSlice};
-use crate::kv::cache::{PagedKvCache, SeqId};
+use crate::kv::cache::{FixedWrites, PagedKvCache, SeqId};
 use crate::kv::format::SlotRows;
 
 fn err(msg: String) -> candle_core::Error {
@@ -42,6 +46,14 @@ pub struct FixedStep {
     lens: Tensor,
     starts: Tensor,
     tables: Tensor,
+    /// `--kv-residual`: the window's table, then each row's ring rows and sink rows (plain and
+    /// repeated along a row, as `slots` and `wide`).
+    window: Option<[Tensor; 5]>,
+    /// The host copies of the last fill's ring rows and sink rows.
+    ring_host: [Vec<u32>; 2],
+    /// `--kv-center`: each row's key means per layer (in the model's dtype), and the sequences
+    /// they are of.
+    means: Option<(Tensor, Vec<SeqId>)>,
     /// The batch of the last [`FixedStep::fill`], padded to `rows` with copies of its first.
     batch: Vec<SeqSlice>,
     /// Sequences in that batch before padding.
@@ -49,8 +61,9 @@ pub struct FixedStep {
 }
 
 impl FixedStep {
-    /// Buffers for `rows` decode tokens whose block tables have at most `width` blocks.
-    pub fn new(cache: &PagedKvCache, rows: usize, width: usize) -> Result<Self> {
+    /// Buffers for `rows` decode tokens whose block tables have at most `width` blocks, of a
+    /// model computing in `dtype` (the key means' dtype, as the eager write casts them).
+    pub fn new(cache: &PagedKvCache, rows: usize, width: usize, dtype: DType) -> Result<Self> {
         if cache.groups().len() != 1 {
             return Err(err(format!(
                 "a cache of {} layer groups (one is supported)",
@@ -59,7 +72,12 @@ impl FixedStep {
         }
         let cfg = cache.config();
         let kv_width = cfg.width();
-        let sizes = [rows, rows, rows, rows * kv_width, rows, rows, rows * width];
+        let mut sizes = vec![rows, rows, rows, rows * kv_width, rows, rows, rows * width];
+        let windowed = cfg.residual > 0;
+        if windowed {
+            let table = 2 * align(rows) + 8 * rows;
+            sizes.extend([table, rows, rows * kv_width, rows, rows * kv_width]);
+        }
         let total: usize = sizes.iter().map(|&n| align(n)).sum();
         let buf = Tensor::zeros(total, DType::U32, cache.device())?;
         let mut at = 0;
@@ -68,8 +86,25 @@ impl FixedStep {
             parts.push(buf.narrow(0, at, n)?);
             at += align(n);
         }
+        let window = match windowed {
+            true => {
+                let w: Vec<Tensor> = parts.drain(7..).collect();
+                let [t, r, rw, s, sw] =
+                    <[Tensor; 5]>::try_from(w).map_err(|_| err("window sections".into()))?;
+                let wide = |x: Tensor| x.reshape((rows, kv_width));
+                Some([t, r, wide(rw)?, s, wide(sw)?])
+            }
+            false => None,
+        };
         let [ids, pos, slots, wide, lens, starts, tables] =
             <[Tensor; 7]>::try_from(parts).map_err(|_| err("sections".into()))?;
+        let means = match cfg.center {
+            true => Some((
+                Tensor::zeros((cfg.num_layers, rows, kv_width), dtype, cache.device())?,
+                Vec::new(),
+            )),
+            false => None,
+        };
         Ok(FixedStep {
             rows,
             width,
@@ -84,6 +119,9 @@ impl FixedStep {
             lens,
             starts,
             tables: tables.reshape((rows, width))?,
+            window,
+            ring_host: Default::default(),
+            means,
             batch: Vec::new(),
             real: 0,
         })
@@ -146,6 +184,17 @@ impl FixedStep {
             slots.push(slots[0]);
             tables.extend_from_within(0..width);
         }
+        let kvw = self.kv_width;
+        let firsts: Vec<u32> = pos
+            .iter()
+            .map(|&p| cache.first_visible(0, p as usize) as u32)
+            .collect();
+        let mut padded: Vec<SeqId> = batch.iter().map(|s| s.seq).collect();
+        padded.resize(rows, batch[0].seq);
+        let window = match self.window {
+            Some(_) => window_words(cache, &padded, &pos, &firsts, kvw)?,
+            None => Default::default(),
+        };
         let host = &mut self.host;
         let mut at = 0;
         let mut put = |vals: &mut dyn Iterator<Item = u32>, n: usize| {
@@ -157,20 +206,27 @@ impl FixedStep {
         put(&mut ids.iter().copied(), rows);
         put(&mut pos.iter().copied(), rows);
         put(&mut slots.iter().copied(), rows);
-        let kvw = self.kv_width;
         put(
             &mut slots.iter().flat_map(|&s| std::iter::repeat_n(s, kvw)),
             rows * kvw,
         );
         put(&mut pos.iter().map(|&p| p + 1), rows);
-        put(
-            &mut pos
-                .iter()
-                .map(|&p| cache.first_visible(0, p as usize) as u32),
-            rows,
-        );
+        put(&mut firsts.iter().copied(), rows);
         put(&mut tables.into_iter(), rows * width);
+        for w in &window {
+            put(&mut w.iter().copied(), w.len());
+        }
+        let [_, ring, _, sink, _] = window;
+        self.ring_host = [ring, sink];
         crate::device::graph::write_u32(&self.buf, host)?;
+        if let Some((means, of)) = self.means.as_mut() {
+            if *of != padded {
+                let m = cache.fixed_means(&padded).map_err(cache_err)?;
+                let m = m.ok_or_else(|| err("no key means".into()))?;
+                means.slice_set(&m.to_dtype(means.dtype())?, 0, 0)?;
+                *of = padded;
+            }
+        }
         self.real = batch.len();
         self.batch = batch.to_vec();
         self.batch.resize(rows, batch[0].clone());
@@ -180,6 +236,11 @@ impl FixedStep {
     /// The step as [`super::paged_attention`] takes it: `rows` slices (padding included) and
     /// one decode group over all of them, reading this step's buffers.
     pub fn plan(&self) -> (&[SeqSlice], Vec<DecodeGroup>) {
+        // The window's table, as the eager step's first layer uploads it.
+        let residual = std::sync::OnceLock::new();
+        if let Some([table, ..]) = &self.window {
+            let _ = residual.set(table.clone());
+        }
         let group = DecodeGroup {
             main: true,
             members: (0..self.rows).map(|i| (i, i, 1)).collect(),
@@ -190,19 +251,26 @@ impl FixedStep {
                 starts: self.starts.clone(),
                 // The CUDA kernel reads the device tables only.
                 host: HostTables::default(),
-                residual: Default::default(),
+                residual,
             }],
         };
         (&self.batch, vec![group])
     }
 
-    /// The write slots of the step's rows, device copies preset (no upload when written).
-    pub fn slot_rows(&self) -> Arc<SlotRows> {
-        Arc::new(SlotRows::preset(
-            self.slot_host(),
-            self.slots.clone(),
-            self.wide.clone(),
-        ))
+    /// Where the step's rows go: their slots, and their ring rows and key means where the
+    /// cache keeps those — device copies preset (no upload when written).
+    pub fn writes(&self) -> FixedWrites {
+        let preset = |host: &[u32], dev: &Tensor, wide: &Tensor| {
+            Arc::new(SlotRows::preset(host.to_vec(), dev.clone(), wide.clone()))
+        };
+        FixedWrites {
+            slots: preset(&self.slot_host(), &self.slots, &self.wide),
+            rings: self.window.as_ref().map(|[_, r, rw, s, sw]| {
+                let [ring, sink] = &self.ring_host;
+                (preset(ring, r, rw), preset(sink, s, sw))
+            }),
+            means: self.means.as_ref().map(|(m, _)| m.clone()),
+        }
     }
 
     fn slot_host(&self) -> Vec<u32> {
@@ -218,4 +286,52 @@ impl FixedStep {
     pub fn device(&self) -> &Device {
         self.buf.device()
     }
+}
+
+/// The window's sections of a step's buffer (`--kv-residual`): its table as `residual::gpu`
+/// builds it for an eager step, then the rows' ring rows and sink rows, each plain and
+/// repeated along a K/V row of `kvw` values. `ids`, `pos`, `firsts`: each row's sequence,
+/// position and first visible position.
+#[cfg(feature = "cuda")]
+fn window_words(
+    cache: &PagedKvCache,
+    ids: &[SeqId],
+    pos: &[u32],
+    firsts: &[u32],
+    kvw: usize,
+) -> Result<[Vec<u32>; 5]> {
+    let at: Vec<(SeqId, usize)> = ids
+        .iter()
+        .zip(pos)
+        .map(|(&id, &p)| (id, p as usize))
+        .collect();
+    let rows = cache
+        .fixed_rows(&at)
+        .map_err(|e| err(e.to_string()))?
+        .ok_or_else(|| err("no device copies for --kv-residual".into()))?;
+    let lens: Vec<u32> = pos.iter().map(|&p| p + 1).collect();
+    let seqs: Vec<_> = rows.iter().map(|r| r.seq).collect();
+    let table = super::residual::gpu::fixed_table(&seqs, firsts, &lens, cache.config().residual);
+    let ring: Vec<u32> = rows.iter().map(|r| r.ring_row).collect();
+    let sink: Vec<u32> = rows.iter().map(|r| r.sink_row).collect();
+    let wide = |v: &[u32]| -> Vec<u32> {
+        v.iter()
+            .flat_map(|&s| std::iter::repeat_n(s, kvw))
+            .collect()
+    };
+    let (ring_wide, sink_wide) = (wide(&ring), wide(&sink));
+    Ok([table, ring, ring_wide, sink, sink_wide])
+}
+
+#[cfg(not(feature = "cuda"))]
+fn window_words(
+    _: &PagedKvCache,
+    _: &[SeqId],
+    _: &[u32],
+    _: &[u32],
+    _: usize,
+) -> Result<[Vec<u32>; 5]> {
+    Err(err(
+        "--kv-residual decode steps are captured on CUDA devices only".into(),
+    ))
 }

@@ -29,7 +29,7 @@ struct Held {
 }
 
 #[cfg(feature = "cuda")]
-mod gpu;
+pub(super) mod gpu;
 
 /// Attention of decode group `g`'s queries `q` (`[Q, H, D]`, unrotated) over `layer`, whose
 /// newest `cache.residual(layer)` positions per query are attended dense. `t`: the group's

@@ -113,6 +113,48 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// The key means of the sequences `ids` (one per row of a captured decode step), per layer:
+    /// `[layers, rows, width]` f32, zeros in layers that keep keys as they are. Errors for a
+    /// sequence with no mean yet in a centred layer (it has not been written eagerly).
+    pub(super) fn step_means(&self, ids: &[SeqId]) -> Result<Tensor> {
+        let map = self.centers.map();
+        let width = self.cfg.width();
+        let layers = (0..self.cfg.num_layers)
+            .map(|l| {
+                if !self.centers_keys(l) {
+                    return Ok(Tensor::zeros((ids.len(), width), DType::F32, &self.device)?);
+                }
+                let rows = ids
+                    .iter()
+                    .map(|id| {
+                        map.get(id)
+                            .and_then(|m| m.get(l).cloned().flatten())
+                            .ok_or_else(|| {
+                                CacheError::Rows(format!(
+                                    "sequence {id} has no key mean in layer {l} yet"
+                                ))
+                            })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&rows, 0)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::stack(&layers, 0)?)
+    }
+
+    /// Whether every sequence of `ids` has its key means (in every centred layer).
+    #[cfg(feature = "cuda")]
+    pub(super) fn has_means(&self, ids: &[SeqId]) -> bool {
+        let map = self.centers.map();
+        ids.iter().all(|id| {
+            map.get(id).is_some_and(|m| {
+                m.iter()
+                    .enumerate()
+                    .all(|(l, mu)| mu.is_some() || !self.centers_keys(l))
+            })
+        })
+    }
+
     /// `k` (`[T, width]`, spans as [`PagedKvCache::write_spans`] takes them) minus each row's
     /// sequence mean in `layer`, fixing the means of sequences writing it for the first time.
     /// Rows no span names are left as they are.

@@ -1,38 +1,105 @@
 //! The cache's side of a captured CUDA decode step (`engine::graphs`): writes that address the
 //! pools through device copies of their slots only, and the dense pools a fused kernel may
-//! write into itself.
+//! write into itself. Under `--kv-center` the step brings each row's key means, and under
+//! `--kv-residual` the ring rows its new rows go to (`ring::FixedRow`), both device buffers
+//! filled before the replay; the host books the rings' rows after it ([`PagedKvCache::fixed_done`]).
+
+use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::{CacheError, PagedKvCache, Result};
+use super::{CacheError, PagedKvCache, Result, SeqId};
 use crate::kv::format::{LayerKv, SlotRows};
+
+/// Where a captured decode step's rows go, on the device (`kv::attend::FixedStep` fills them).
+pub struct FixedWrites {
+    /// The pool slot of each row.
+    pub slots: Arc<SlotRows>,
+    /// `--kv-residual`: each row's ring row and sink row (its ring row again when it is no
+    /// sink), in the layers' rings.
+    pub rings: Option<(Arc<SlotRows>, Arc<SlotRows>)>,
+    /// `--kv-center`: each row's key mean per layer, `[layers, rows, width]` (in the keys'
+    /// dtype: no cast in the step).
+    pub means: Option<Tensor>,
+}
 
 impl PagedKvCache {
     /// Writes a decode step's new rows `k`, `v` (`[n, width]`, row `i` into slot `slots[i]`,
-    /// every sequence in the main pool) through the slots' device copy only
+    /// every sequence in the main pool) through device copies only
     /// ([`LayerKv::write_slots_on_device`]): what a captured CUDA graph of the step replays.
-    /// Not with `--kv-center` (its means are per sequence; such steps run eagerly).
-    pub fn write_fixed(
-        &self,
-        layer: usize,
-        slots: &SlotRows,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<()> {
-        if self.centers_keys(layer) {
-            return Err(CacheError::Rows(
-                "a captured decode step cannot centre keys (--kv-center)".into(),
-            ));
-        }
-        if self.residual(layer) > 0 {
-            return Err(CacheError::Rows(
-                "a captured decode step cannot keep dense copies (--kv-residual)".into(),
-            ));
-        }
+    /// Keys are centred by `w.means` and kept dense in the rings at `w.rings` where the layer
+    /// does that.
+    pub fn write_fixed(&self, layer: usize, w: &FixedWrites, k: &Tensor, v: &Tensor) -> Result<()> {
+        let k = match (self.centers_keys(layer), &w.means) {
+            (false, _) => k.clone(),
+            // As `centred`: the means in the keys' dtype (a no-op), then the difference.
+            (true, Some(m)) => (k - m.get(layer)?.to_dtype(k.dtype())?)?,
+            (true, None) => {
+                return Err(CacheError::Rows(
+                    "a captured decode step of centred keys (--kv-center) needs their means".into(),
+                ))
+            }
+        };
         let rot = self.rotation(layer, true);
-        Ok(self
-            .layer_storage(layer, true)
-            .write_slots_on_device(slots, k, v, rot)?)
+        self.layer_storage(layer, true)
+            .write_slots_on_device(&w.slots, &k, v, rot)?;
+        if self.residual(layer) == 0 {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if let (Some(r), Some((ring, sink))) = (&self.tails.device, &w.rings) {
+            return r.write_fixed(layer, (ring, sink), &k, v);
+        }
+        Err(CacheError::Rows(
+            "a captured decode step of --kv-residual needs the rows' ring rows on the device"
+                .into(),
+        ))
+    }
+
+    /// The ring rows of a captured decode step of one new row per `(sequence, position)`
+    /// (`None` without device copies), whatever earlier writes left pending committed first.
+    #[cfg(feature = "cuda")]
+    pub fn fixed_rows(
+        &self,
+        rows: &[(SeqId, usize)],
+    ) -> Result<Option<Vec<super::ring::FixedRow>>> {
+        self.tails
+            .device
+            .as_ref()
+            .map(|r| r.fixed_rows(rows))
+            .transpose()
+    }
+
+    /// Books a captured decode step's rows in the device copies, as an eager step's writes do.
+    #[cfg(feature = "cuda")]
+    pub fn fixed_done(&self, rows: &[(SeqId, usize)]) {
+        if let Some(r) = &self.tails.device {
+            r.fixed_done(rows);
+        }
+    }
+
+    /// How often the device copies' pools have moved: a captured step of another count reads
+    /// freed memory.
+    #[cfg(feature = "cuda")]
+    pub fn rings_moved(&self) -> u64 {
+        self.tails.device.as_ref().map_or(0, |r| r.moved())
+    }
+
+    /// Whether sequences `ids` can decode in a captured step: their key means fixed and their
+    /// device copies given a slot (each was written eagerly first) where the cache keeps them.
+    #[cfg(feature = "cuda")]
+    pub fn fixed_ready(&self, ids: &[SeqId]) -> bool {
+        let rings = match &self.tails.device {
+            Some(r) => r.has_slots(ids),
+            None => self.cfg.residual == 0,
+        };
+        rings && (!self.cfg.center || self.has_means(ids))
+    }
+
+    /// The key means a captured step of the sequences `ids` (one per row) subtracts
+    /// (`[layers, rows, width]` f32), when keys are centred.
+    pub fn fixed_means(&self, ids: &[SeqId]) -> Result<Option<Tensor>> {
+        self.cfg.center.then(|| self.step_means(ids)).transpose()
     }
 
     /// The K and V pools of `layer` in the main pool when they are dense rows of `dtype`

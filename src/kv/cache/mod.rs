@@ -30,6 +30,7 @@ pub mod config;
 mod export;
 pub use export::PromptKv;
 mod fixed;
+pub use fixed::FixedWrites;
 pub mod groups;
 mod pools;
 pub mod prefix;

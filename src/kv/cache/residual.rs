@@ -183,7 +183,7 @@ fn extend_f16(dst: &mut Vec<f16>, x: &[f32]) {
 pub(super) struct Tails {
     host: Mutex<HashMap<SeqId, Vec<Tail>>>,
     #[cfg(feature = "cuda")]
-    device: Option<super::ring::Rings>,
+    pub(super) device: Option<super::ring::Rings>,
 }
 
 impl Tails {

@@ -20,13 +20,49 @@ use crate::kv::format::ops::SlotRows;
 use crate::kv::format::scatter::scatter_rows;
 
 /// Positions of one (sequence, layer) whose copies are where the attention can read them.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
 struct Meta {
     /// Ring rows of positions `lo..hi` are intact.
     lo: usize,
     hi: usize,
     /// Sink rows held: positions `0..sinks`.
     sinks: usize,
+}
+
+impl Meta {
+    /// A write of positions `start..start + n` staged: sinks as the CPU's tails keep them —
+    /// replaced from a rewind into them, extended by a write that continues them, unchanged
+    /// after a gap.
+    fn stage(&mut self, start: usize, n: usize, sinks: usize) {
+        if sinks > 0 && start <= self.sinks && start < sinks {
+            self.sinks = (start + n).min(sinks);
+        }
+    }
+
+    /// Rows of `from..end` committed to a ring of `r` rows; they overwrote `from − r .. end − r`.
+    /// Older intact rows stay usable only if they join on (no gap) and were not overwritten by
+    /// positions past `end` (a rewind): the last `r` before were intact.
+    fn commit(&mut self, from: usize, end: usize, r: usize) {
+        self.lo = if from > self.hi || self.lo >= self.hi {
+            from
+        } else {
+            self.lo
+                .max(self.hi.saturating_sub(r))
+                .max(end.saturating_sub(r))
+                .min(from)
+        };
+        self.hi = end;
+    }
+
+    /// The first position of the copies a write starting at `ws` joins on to: ring rows join
+    /// its rows only without a gap before it.
+    fn joined(&self, ws: usize) -> usize {
+        if self.lo < self.hi && self.lo <= ws && ws <= self.hi {
+            self.lo
+        } else {
+            ws
+        }
+    }
 }
 
 /// A layer's write not yet committed to its rings: rows `[T, width]` f16, and per span whether
@@ -57,6 +93,16 @@ pub struct RingSeq {
     pub woff: u32,
 }
 
+/// One row of a captured decode step: what its query reads (no fresh rows: `wstart` is none)
+/// and the pool rows its new row goes to — its ring row, and its sink row (the ring row again
+/// when it is no sink).
+#[derive(Debug, Clone, Copy)]
+pub struct FixedRow {
+    pub seq: RingSeq,
+    pub ring_row: u32,
+    pub sink_row: u32,
+}
+
 /// A layer's rings and pending rows, as the attention reads them (tensors share storage).
 pub struct RingView {
     pub k: Tensor,
@@ -79,6 +125,8 @@ struct State {
     /// of a step commits the same ones, so only the first uploads them (the gather's only when
     /// a commit gathers).
     last: Option<Moves>,
+    /// Bumped whenever the pools move (they grow): captured steps hold their addresses.
+    moved: u64,
 }
 
 /// Rows moved by a commit: pending row `src[i]` to pool row `dst[i]`, both also on the device
@@ -125,6 +173,7 @@ impl Rings {
                 layers,
                 meta: HashMap::new(),
                 last: None,
+                moved: 0,
             }),
             width,
             sinks,
@@ -155,11 +204,7 @@ impl Rings {
                 .meta
                 .entry(id)
                 .or_insert_with(|| vec![Meta::default(); nl])[layer];
-            // Sinks as the CPU's tails keep them: replaced from a rewind into them, extended
-            // by a write that continues them, unchanged after a gap.
-            if self.sinks > 0 && start <= m.sinks && start < self.sinks {
-                m.sinks = (start + n).min(self.sinks);
-            }
+            m.stage(start, n, self.sinks);
         }
         let f16 = |x: &Tensor| x.to_dtype(DType::F16)?.contiguous();
         if let Some(Some(l)) = st.layers.get_mut(layer) {
@@ -242,17 +287,7 @@ impl Rings {
             let Some(m) = st.meta.get_mut(&id).and_then(|m| m.get_mut(layer)) else {
                 continue;
             };
-            // Rows of `from..end` are now in the ring, and they overwrote `from − R .. end − R`.
-            // Older intact rows stay usable only if they join on (no gap) and were not
-            // overwritten by positions past `end` (a rewind): the last R before were intact.
-            m.lo = if from > m.hi || m.lo >= m.hi {
-                from
-            } else {
-                m.lo.max(m.hi.saturating_sub(r))
-                    .max(end.saturating_sub(r))
-                    .min(from)
-            };
-            m.hi = end;
+            m.commit(from, end, r);
         }
         Ok(())
     }
@@ -275,6 +310,7 @@ impl Rings {
                         l.v = Tensor::cat(&[&l.v, &z], 0)?;
                     }
                     st.nslots *= 2;
+                    st.moved += 1;
                 }
                 used
             }
@@ -307,15 +343,7 @@ impl Rings {
                         .find(|((sid, ..), committed)| sid == id && !committed)
                 });
                 let (start, end, wstart, woff) = match span {
-                    Some(&((_, ws, off, n), _)) => {
-                        // Ring rows join this write's rows only without a gap before it.
-                        let lo = if m.lo < m.hi && m.lo <= ws && ws <= m.hi {
-                            m.lo
-                        } else {
-                            ws
-                        };
-                        (lo, ws + n, ws as u32, off as u32)
-                    }
+                    Some(&((_, ws, off, n), _)) => (m.joined(ws), ws + n, ws as u32, off as u32),
                     None => (m.lo, m.hi, u32::MAX, 0),
                 };
                 RingSeq {
@@ -339,6 +367,110 @@ impl Rings {
         Some((view, seqs))
     }
 
+    /// How often the pools have moved (captured steps of an older count are stale).
+    pub(super) fn moved(&self) -> u64 {
+        self.lock().moved
+    }
+
+    /// Whether every sequence of `ids` has its slot (it was written eagerly before).
+    pub(super) fn has_slots(&self, ids: &[SeqId]) -> bool {
+        let st = self.lock();
+        ids.iter().all(|id| st.slots.contains_key(id))
+    }
+
+    /// A captured decode step of one new row per `(sequence, position)`: what each row's query
+    /// reads and where its row goes ([`FixedRow`]). It is what [`Rings::stage`] of that row
+    /// followed by [`Rings::view`] gives, except that the row is put into the rings before the
+    /// attention instead of after it — safe for one row: ring row `p mod R` held `p − R`, which
+    /// the query at `p` no longer sees. Every layer of a step holds the same positions, so the
+    /// first quantized layer answers for all. Whatever earlier writes left pending is committed
+    /// first. Errors for a sequence with no slot.
+    pub(super) fn fixed_rows(&self, rows: &[(SeqId, usize)]) -> Result<Vec<FixedRow>> {
+        let mut st = self.lock();
+        for l in 0..st.layers.len() {
+            self.commit_in(&mut st, l, None)?;
+            if let Some(Some(layer)) = st.layers.get_mut(l) {
+                layer.pending = None;
+            }
+        }
+        let first = st.layers.iter().position(Option::is_some).unwrap_or(0);
+        let per = self.sinks + self.ring;
+        rows.iter()
+            .map(|&(id, p)| {
+                let slot = st.slots.get(&id).copied().ok_or_else(|| {
+                    super::CacheError::Rows(format!("sequence {id} has no dense copies yet"))
+                })?;
+                let mut m = st
+                    .meta
+                    .get(&id)
+                    .and_then(|m| m.get(first))
+                    .copied()
+                    .unwrap_or_default();
+                let start = m.joined(p);
+                m.stage(p, 1, self.sinks);
+                let base = slot * per;
+                let ring_row = (base + self.sinks + p % self.ring) as u32;
+                Ok(FixedRow {
+                    seq: RingSeq {
+                        base: base as u32,
+                        start,
+                        end: p + 1,
+                        sinks: m.sinks,
+                        wstart: u32::MAX,
+                        woff: 0,
+                    },
+                    ring_row,
+                    sink_row: if p < m.sinks {
+                        (base + p) as u32
+                    } else {
+                        ring_row
+                    },
+                })
+            })
+            .collect()
+    }
+
+    /// Writes a captured step's new rows `k`, `v` (`[rows, width]`) of `layer` into its rings:
+    /// row `i` to `ring[i]` and to `sink[i]` (its ring row again when it is no sink).
+    pub(super) fn write_fixed(
+        &self,
+        layer: usize,
+        (ring, sink): (&SlotRows, &SlotRows),
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let st = self.lock();
+        let Some(Some(l)) = st.layers.get(layer) else {
+            return Ok(());
+        };
+        for to in [ring, sink] {
+            scatter_rows(&l.k, to, k)?;
+            scatter_rows(&l.v, to, v)?;
+        }
+        Ok(())
+    }
+
+    /// Books the rows a captured step wrote (one new row per `(sequence, position)`) as
+    /// [`Rings::stage`] and [`Rings::commit`] book an eager one, in every layer.
+    pub(super) fn fixed_done(&self, rows: &[(SeqId, usize)]) {
+        let mut st = self.lock();
+        let quantized: Vec<bool> = st.layers.iter().map(Option::is_some).collect();
+        for &(id, p) in rows {
+            let metas = st
+                .meta
+                .entry(id)
+                .or_insert_with(|| vec![Meta::default(); quantized.len()]);
+            for (m, &q) in metas.iter_mut().zip(&quantized) {
+                if !q {
+                    continue;
+                }
+                m.stage(p, 1, self.sinks);
+                // As `commit_in`: the next query sees the write's last R − 1 rows.
+                m.commit(p.max((p + 2).saturating_sub(self.ring)), p + 1, self.ring);
+            }
+        }
+    }
+
     pub(super) fn remove(&self, id: SeqId) {
         let mut st = self.lock();
         st.meta.remove(&id);
@@ -350,6 +482,80 @@ impl Rings {
         }
         if let Some(s) = st.slots.remove(&id) {
             st.free.push(s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows `[n, 4]` whose values name their position (`p + 0.25·j`).
+    fn rows(start: usize, n: usize) -> Tensor {
+        let v: Vec<f32> = (start..start + n)
+            .flat_map(|p| (0..4).map(move |j| p as f32 + 0.25 * j as f32))
+            .collect();
+        Tensor::from_vec(v, (n, 4), &Device::Cpu).unwrap()
+    }
+
+    /// The copies' rows the meta of `id` declares intact (sinks, then `lo..hi`), by position.
+    fn intact(r: &Rings, id: SeqId) -> (Meta, Vec<Vec<f32>>) {
+        let st = r.lock();
+        let m = st.meta[&id][0];
+        let base = st.slots[&id] * (r.sinks + r.ring);
+        let k: Vec<Vec<f32>> = st.layers[0]
+            .as_ref()
+            .unwrap()
+            .k
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let got = (0..m.sinks)
+            .map(|p| k[base + p].clone())
+            .chain((m.lo..m.hi).map(|p| k[base + r.sinks + p % r.ring].clone()))
+            .collect();
+        (m, got)
+    }
+
+    #[test]
+    fn a_captured_step_reads_and_books_what_an_eager_step_does() {
+        let dev = Device::Cpu;
+        // Prompts shorter than the sinks, between sinks and ring, and longer than both.
+        for (prompt, ring) in [(2, 8), (6, 8), (30, 8), (9, 1), (3, 2)] {
+            let (eager, fixed) = (
+                Rings::new(&[true], 4, ring, 4, &dev).unwrap(),
+                Rings::new(&[true], 4, ring, 4, &dev).unwrap(),
+            );
+            for r in [&eager, &fixed] {
+                r.stage(0, &[(7, 0, 0, prompt)], &rows(0, prompt), &rows(0, prompt))
+                    .unwrap();
+                r.commit(0, Some(&[7])).unwrap();
+            }
+            for p in prompt..prompt + 12 {
+                let x = rows(p, 1);
+                eager.stage(0, &[(7, p, 0, 1)], &x, &x).unwrap();
+                let (_, seqs) = eager.view(0, &[7]).unwrap();
+                eager.commit(0, Some(&[7])).unwrap();
+
+                let got = fixed.fixed_rows(&[(7, p)]).unwrap()[0];
+                let want = RingSeq {
+                    wstart: u32::MAX,
+                    woff: 0,
+                    ..seqs[0]
+                };
+                let case = (prompt, ring, p);
+                assert_eq!(format!("{:?}", got.seq), format!("{want:?}"), "{case:?}");
+                let to = |r: u32| SlotRows::new(vec![r]);
+                let (ring_to, sink_to) = (to(got.ring_row), to(got.sink_row));
+                fixed.write_fixed(0, (&ring_to, &sink_to), &x, &x).unwrap();
+                fixed.fixed_done(&[(7, p)]);
+                let (me, re) = intact(&eager, 7);
+                let (mf, rf) = intact(&fixed, 7);
+                assert_eq!(me, mf, "{case:?}: booked positions");
+                assert_eq!(re, rf, "{case:?}: their rows");
+                assert_eq!(me.sinks, 4.min(p + 1), "{case:?}: sinks kept");
+            }
         }
     }
 }

@@ -29,8 +29,8 @@ use super::linear::{Embedding, Linear, WeightMath};
 #[cfg(feature = "cuda")]
 use crate::kv::attend::FixedStep;
 use crate::kv::attend::{paged_attention, plan_decode, DecodeGroup, SeqSlice};
+use crate::kv::cache::FixedWrites;
 use crate::kv::cache::{PagedKvCache, SeqId, WriteSpan};
-use crate::kv::format::SlotRows;
 use crate::ops::pool;
 
 /// Q, K and V projections: three matrices, or one whose output rows are q, k, v (Phi-3).
@@ -237,13 +237,13 @@ impl Llama {
     /// uploading nothing, so a CUDA graph can capture it; the caller advances the cache.
     pub fn forward_fixed(&self, step: &FixedStep, cache: &PagedKvCache) -> Result<Tensor> {
         let (slices, decode) = step.plan();
-        let slots = step.slot_rows();
+        let writes = step.writes();
         let (x, mlp) = self.layers(
             &step.ids,
             &step.pos,
             slices,
             &decode,
-            Writes::Fixed(&slots),
+            Writes::Fixed(&writes),
             cache,
         )?;
         self.head(&x, mlp.as_ref())
@@ -386,12 +386,12 @@ impl Llama {
         let t = x.dim(0)?;
         // A fixed step into a dense layer of the compute dtype: RoPE writes K and V straight
         // into their slots (no separate cache write).
-        if let (QkvProj::Fused(qkv), Rope::Tables(cos, sin), Writes::Fixed(slots)) =
+        if let (QkvProj::Fused(qkv), Rope::Tables(cos, sin), Writes::Fixed(w)) =
             (&b.qkv, s.rope, s.writes)
         {
             if let Some((kp, vp)) = s.cache.dense_layer(l, self.dtype) {
                 let y = qkv.forward(&hs)?;
-                let slots = slots.on(y.device())?;
+                let slots = w.slots.on(y.device())?;
                 let pools = (kp, vp, &slots);
                 let q = fused::rope_qkv_into(&y, s.pos, (cos, sin), shape, b.qk_norm(eps), pools)?;
                 return self.finish_block(l, b, &x, &q, s);
@@ -445,7 +445,7 @@ impl Llama {
         };
         match s.writes {
             Writes::Spans(spans) => s.cache.write_spans(l, spans, &k, &v)?,
-            Writes::Fixed(slots) => s.cache.write_fixed(l, slots, &k, &v)?,
+            Writes::Fixed(w) => s.cache.write_fixed(l, w, &k, &v)?,
         }
         self.finish_block(l, b, &x, &q, s)
     }
@@ -551,7 +551,8 @@ enum Rope {
 enum Writes<'a> {
     /// `(seq, start, offset, n)` per sequence ([`PagedKvCache::write_spans`]).
     Spans(&'a [WriteSpan]),
-    /// A fixed step's slots, through their device copy only ([`PagedKvCache::write_fixed`]).
+    /// A fixed step's rows, through device copies of where they go only
+    /// ([`PagedKvCache::write_fixed`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Fixed(&'a SlotRows),
+    Fixed(&'a FixedWrites),
 }

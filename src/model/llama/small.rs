@@ -47,7 +47,7 @@ impl Llama {
                 .ok_or_else(|| anyhow::anyhow!("layer {l}: a projection is not dense"))
         };
         let dense_pool = match s.writes {
-            Writes::Fixed(slots) => s.cache.dense_layer(l, self.dtype).map(|p| (p, slots)),
+            Writes::Fixed(w) => s.cache.dense_layer(l, self.dtype).map(|p| (p, &*w.slots)),
             Writes::Spans(_) => None,
         };
         let slots = match &dense_pool {
@@ -90,7 +90,7 @@ impl Llama {
         if let Some((k, v)) = kv {
             match s.writes {
                 Writes::Spans(spans) => s.cache.write_spans(l, spans, &k, &v)?,
-                Writes::Fixed(slots) => s.cache.write_fixed(l, slots, &k, &v)?,
+                Writes::Fixed(w) => s.cache.write_fixed(l, w, &k, &v)?,
             }
         }
         let attn = self.attend(l, &q, s)?;

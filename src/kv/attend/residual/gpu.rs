@@ -79,6 +79,21 @@ pub(super) fn attend(
     Ok(out)
 }
 
+/// The table [`attend`] uploads, for a captured decode step (`kv::attend::FixedStep`) whose
+/// rows `seqs` (one query each, at `lens − 1`, seeing from `firsts`) are already in the rings:
+/// the quantized part's starts and lens, then each query's window words.
+pub(crate) fn fixed_table(seqs: &[RingSeq], firsts: &[u32], lens: &[u32], keep: usize) -> Vec<u32> {
+    let host = HostTables {
+        starts: firsts.to_vec(),
+        lens: lens.to_vec(),
+        ..Default::default()
+    };
+    let seq_of: Vec<usize> = (0..seqs.len()).collect();
+    let (qs, lo) = parts(&host, &seq_of, &held(seqs), keep);
+    let seg = seqs.len().next_multiple_of(4);
+    table(&host, seqs, &seq_of, (&qs, &lo), seg)
+}
+
 /// What each member sequence's copies hold, as the parts of its queries are cut.
 fn held(seqs: &[RingSeq]) -> Vec<Option<Held>> {
     seqs.iter()

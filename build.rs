@@ -17,9 +17,10 @@ fn main() {
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     // One fat binary per kernel file: quant.cu (quantization), decode.cu (decode attention),
     // sample.cu (token picks), fused.cu (fused decoder ops), gemv.cu (projections of a few rows),
+    // ring.cu (the residual window's rows of a captured decode step),
     // holding machine code for compute capability `cap` and its PTX for newer GPUs (loaded by
     // src/device/kernels.rs).
-    for name in ["quant", "decode", "sample", "fused", "gemv"] {
+    for name in ["quant", "decode", "sample", "fused", "gemv", "ring"] {
         let status = Command::new(&nvcc)
             .args([
                 "--fatbin",

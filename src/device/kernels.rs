@@ -25,6 +25,8 @@ pub(crate) enum Module {
     Fused,
     /// kernels/gemv.cu: projections of a few rows with their norm and epilogue (model::gemv).
     Gemv,
+    /// kernels/ring.cu: the residual window's rows of a captured decode step (kv::cache::ring).
+    Ring,
 }
 
 impl Module {
@@ -35,6 +37,7 @@ impl Module {
             Module::Sample => include_bytes!(concat!(env!("OUT_DIR"), "/sample.fatbin")),
             Module::Fused => include_bytes!(concat!(env!("OUT_DIR"), "/fused.fatbin")),
             Module::Gemv => include_bytes!(concat!(env!("OUT_DIR"), "/gemv.fatbin")),
+            Module::Ring => include_bytes!(concat!(env!("OUT_DIR"), "/ring.fatbin")),
         }
     }
 }

@@ -46,11 +46,8 @@ pub struct FixedStep {
     lens: Tensor,
     starts: Tensor,
     tables: Tensor,
-    /// `--kv-residual`: the window's table, then each row's ring rows and sink rows (plain and
-    /// repeated along a row, as `slots` and `wide`).
-    window: Option<[Tensor; 5]>,
-    /// The host copies of the last fill's ring rows and sink rows.
-    ring_host: [Vec<u32>; 2],
+    /// `--kv-residual`: the window's table, then each row's ring row and sink row.
+    window: Option<[Tensor; 3]>,
     /// `--kv-center`: each row's key means per layer (in the model's dtype), and the sequences
     /// they are of.
     means: Option<(Tensor, Vec<SeqId>)>,
@@ -76,7 +73,7 @@ impl FixedStep {
         let windowed = cfg.residual > 0;
         if windowed {
             let table = 2 * align(rows) + 8 * rows;
-            sizes.extend([table, rows, rows * kv_width, rows, rows * kv_width]);
+            sizes.extend([table, rows, rows]);
         }
         let total: usize = sizes.iter().map(|&n| align(n)).sum();
         let buf = Tensor::zeros(total, DType::U32, cache.device())?;
@@ -89,10 +86,7 @@ impl FixedStep {
         let window = match windowed {
             true => {
                 let w: Vec<Tensor> = parts.drain(7..).collect();
-                let [t, r, rw, s, sw] =
-                    <[Tensor; 5]>::try_from(w).map_err(|_| err("window sections".into()))?;
-                let wide = |x: Tensor| x.reshape((rows, kv_width));
-                Some([t, r, wide(rw)?, s, wide(sw)?])
+                Some(<[Tensor; 3]>::try_from(w).map_err(|_| err("window sections".into()))?)
             }
             false => None,
         };
@@ -120,7 +114,6 @@ impl FixedStep {
             starts,
             tables: tables.reshape((rows, width))?,
             window,
-            ring_host: Default::default(),
             means,
             batch: Vec::new(),
             real: 0,
@@ -192,7 +185,7 @@ impl FixedStep {
         let mut padded: Vec<SeqId> = batch.iter().map(|s| s.seq).collect();
         padded.resize(rows, batch[0].seq);
         let window = match self.window {
-            Some(_) => window_words(cache, &padded, &pos, &firsts, kvw)?,
+            Some(_) => window_words(cache, &padded, &pos, &firsts)?,
             None => Default::default(),
         };
         let host = &mut self.host;
@@ -216,8 +209,6 @@ impl FixedStep {
         for w in &window {
             put(&mut w.iter().copied(), w.len());
         }
-        let [_, ring, _, sink, _] = window;
-        self.ring_host = [ring, sink];
         crate::device::graph::write_u32(&self.buf, host)?;
         if let Some((means, of)) = self.means.as_mut() {
             if *of != padded {
@@ -260,15 +251,13 @@ impl FixedStep {
     /// Where the step's rows go: their slots, and their ring rows and key means where the
     /// cache keeps those — device copies preset (no upload when written).
     pub fn writes(&self) -> FixedWrites {
-        let preset = |host: &[u32], dev: &Tensor, wide: &Tensor| {
-            Arc::new(SlotRows::preset(host.to_vec(), dev.clone(), wide.clone()))
-        };
         FixedWrites {
-            slots: preset(&self.slot_host(), &self.slots, &self.wide),
-            rings: self.window.as_ref().map(|[_, r, rw, s, sw]| {
-                let [ring, sink] = &self.ring_host;
-                (preset(ring, r, rw), preset(sink, s, sw))
-            }),
+            slots: Arc::new(SlotRows::preset(
+                self.slot_host(),
+                self.slots.clone(),
+                self.wide.clone(),
+            )),
+            rings: self.window.as_ref().map(|[_, r, s]| (r.clone(), s.clone())),
             means: self.means.as_ref().map(|(m, _)| m.clone()),
         }
     }
@@ -289,17 +278,15 @@ impl FixedStep {
 }
 
 /// The window's sections of a step's buffer (`--kv-residual`): its table as `residual::gpu`
-/// builds it for an eager step, then the rows' ring rows and sink rows, each plain and
-/// repeated along a K/V row of `kvw` values. `ids`, `pos`, `firsts`: each row's sequence,
-/// position and first visible position.
+/// builds it for an eager step, then the rows' ring rows and sink rows. `ids`, `pos`,
+/// `firsts`: each row's sequence, position and first visible position.
 #[cfg(feature = "cuda")]
 fn window_words(
     cache: &PagedKvCache,
     ids: &[SeqId],
     pos: &[u32],
     firsts: &[u32],
-    kvw: usize,
-) -> Result<[Vec<u32>; 5]> {
+) -> Result<[Vec<u32>; 3]> {
     let at: Vec<(SeqId, usize)> = ids
         .iter()
         .zip(pos)
@@ -314,23 +301,11 @@ fn window_words(
     let table = super::residual::gpu::fixed_table(&seqs, firsts, &lens, cache.config().residual);
     let ring: Vec<u32> = rows.iter().map(|r| r.ring_row).collect();
     let sink: Vec<u32> = rows.iter().map(|r| r.sink_row).collect();
-    let wide = |v: &[u32]| -> Vec<u32> {
-        v.iter()
-            .flat_map(|&s| std::iter::repeat_n(s, kvw))
-            .collect()
-    };
-    let (ring_wide, sink_wide) = (wide(&ring), wide(&sink));
-    Ok([table, ring, ring_wide, sink, sink_wide])
+    Ok([table, ring, sink])
 }
 
 #[cfg(not(feature = "cuda"))]
-fn window_words(
-    _: &PagedKvCache,
-    _: &[SeqId],
-    _: &[u32],
-    _: &[u32],
-    _: usize,
-) -> Result<[Vec<u32>; 5]> {
+fn window_words(_: &PagedKvCache, _: &[SeqId], _: &[u32], _: &[u32]) -> Result<[Vec<u32>; 3]> {
     Err(err(
         "--kv-residual decode steps are captured on CUDA devices only".into(),
     ))

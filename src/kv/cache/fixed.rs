@@ -16,8 +16,8 @@ pub struct FixedWrites {
     /// The pool slot of each row.
     pub slots: Arc<SlotRows>,
     /// `--kv-residual`: each row's ring row and sink row (its ring row again when it is no
-    /// sink), in the layers' rings.
-    pub rings: Option<(Arc<SlotRows>, Arc<SlotRows>)>,
+    /// sink) in the layers' rings, u32 `[rows]` on the device.
+    pub rings: Option<(Tensor, Tensor)>,
     /// `--kv-center`: each row's key mean per layer, `[layers, rows, width]` (in the keys'
     /// dtype: no cast in the step).
     pub means: Option<Tensor>,
@@ -30,26 +30,44 @@ impl PagedKvCache {
     /// Keys are centred by `w.means` and kept dense in the rings at `w.rings` where the layer
     /// does that.
     pub fn write_fixed(&self, layer: usize, w: &FixedWrites, k: &Tensor, v: &Tensor) -> Result<()> {
-        let k = match (self.centers_keys(layer), &w.means) {
-            (false, _) => k.clone(),
-            // As `centred`: the means in the keys' dtype (a no-op), then the difference.
-            (true, Some(m)) => (k - m.get(layer)?.to_dtype(k.dtype())?)?,
+        let means = match (self.centers_keys(layer), &w.means) {
+            (false, _) => None,
+            (true, Some(m)) => Some(m.get(layer)?),
             (true, None) => {
                 return Err(CacheError::Rows(
                     "a captured decode step of centred keys (--kv-center) needs their means".into(),
                 ))
             }
         };
+        let k = match self.residual(layer) {
+            0 => match &means {
+                // As `centred`: the means in the keys' dtype (already), then the difference.
+                Some(m) => (k - m)?,
+                None => k.clone(),
+            },
+            _ => self.write_rings_fixed(layer, w, means.as_ref(), k, v)?,
+        };
         let rot = self.rotation(layer, true);
-        self.layer_storage(layer, true)
-            .write_slots_on_device(&w.slots, &k, v, rot)?;
-        if self.residual(layer) == 0 {
-            return Ok(());
-        }
+        Ok(self
+            .layer_storage(layer, true)
+            .write_slots_on_device(&w.slots, &k, v, rot)?)
+    }
+
+    /// The dense copies' part of [`Self::write_fixed`]: the rows into the rings (keys centred
+    /// by `means` on the way), returning the keys as written.
+    fn write_rings_fixed(
+        &self,
+        layer: usize,
+        w: &FixedWrites,
+        means: Option<&Tensor>,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let (Some(r), Some((ring, sink))) = (&self.tails.device, &w.rings) {
-            return r.write_fixed(layer, (ring, sink), &k, v);
+            return r.write_fixed(layer, (ring, sink), means, k, v);
         }
+        let _ = (layer, w, means, k, v);
         Err(CacheError::Rows(
             "a captured decode step of --kv-residual needs the rows' ring rows on the device"
                 .into(),

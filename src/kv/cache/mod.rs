@@ -39,6 +39,8 @@ pub mod residual;
 mod reuse;
 #[cfg(feature = "cuda")]
 pub mod ring;
+#[cfg(feature = "cuda")]
+mod ring_write;
 mod staging;
 mod usage;
 

@@ -9,12 +9,16 @@
 //! chunk would overwrite ring rows that its first queries still read. The attention reads rows
 //! before the write's start from the ring and the others from the pending rows; afterwards the
 //! write's last `N − 1` rows (all the next query can see) and its sink rows are committed.
+//! A captured decode step (one new row per sequence, `engine::graphs`) cannot commit on the
+//! host: it writes its rows into the rings before the attention instead ([`Rings::fixed_rows`]
+//! says why that is safe for one row) and the host books them after the replay.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
+use super::ring_write::ring_write;
 use super::{Result, SeqId, WriteSpan};
 use crate::kv::format::ops::SlotRows;
 use crate::kv::format::scatter::scatter_rows;
@@ -430,24 +434,25 @@ impl Rings {
             .collect()
     }
 
-    /// Writes a captured step's new rows `k`, `v` (`[rows, width]`) of `layer` into its rings:
-    /// row `i` to `ring[i]` and to `sink[i]` (its ring row again when it is no sink).
+    /// Writes a captured step's new rows `k`, `v` (`[rows, width]`; keys minus `means` where
+    /// they are centred) of `layer` into its rings, row `i` at rows `ring[i]` and `sink[i]` (u32
+    /// on the device; equal when it is no sink), in one launch. Returns the keys as written,
+    /// for the pool's write.
     pub(super) fn write_fixed(
         &self,
         layer: usize,
-        (ring, sink): (&SlotRows, &SlotRows),
+        (ring, sink): (&Tensor, &Tensor),
+        means: Option<&Tensor>,
         k: &Tensor,
         v: &Tensor,
-    ) -> Result<()> {
+    ) -> Result<Tensor> {
         let st = self.lock();
         let Some(Some(l)) = st.layers.get(layer) else {
-            return Ok(());
+            return Err(super::CacheError::Rows(format!(
+                "layer {layer} keeps no dense copies"
+            )));
         };
-        for to in [ring, sink] {
-            scatter_rows(&l.k, to, k)?;
-            scatter_rows(&l.v, to, v)?;
-        }
-        Ok(())
+        Ok(ring_write((k, v), means, (&l.k, &l.v), (ring, sink))?)
     }
 
     /// Books the rows a captured step wrote (one new row per `(sequence, position)`) as
@@ -490,12 +495,15 @@ impl Rings {
 mod tests {
     use super::*;
 
-    /// Rows `[n, 4]` whose values name their position (`p + 0.25·j`).
-    fn rows(start: usize, n: usize) -> Tensor {
+    /// Rows `[n, 4]` f16 on `dev` whose values name their position (`p + 0.25·j`).
+    fn rows(dev: &Device, start: usize, n: usize) -> Tensor {
         let v: Vec<f32> = (start..start + n)
             .flat_map(|p| (0..4).map(move |j| p as f32 + 0.25 * j as f32))
             .collect();
-        Tensor::from_vec(v, (n, 4), &Device::Cpu).unwrap()
+        Tensor::from_vec(v, (n, 4), dev)
+            .unwrap()
+            .to_dtype(DType::F16)
+            .unwrap()
     }
 
     /// The copies' rows the meta of `id` declares intact (sinks, then `lo..hi`), by position.
@@ -519,22 +527,29 @@ mod tests {
     }
 
     #[test]
-    fn a_captured_step_reads_and_books_what_an_eager_step_does() {
-        let dev = Device::Cpu;
+    fn cuda_a_captured_step_reads_and_books_what_an_eager_step_does() {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
         // Prompts shorter than the sinks, between sinks and ring, and longer than both.
         for (prompt, ring) in [(2, 8), (6, 8), (30, 8), (9, 1), (3, 2)] {
             let (eager, fixed) = (
                 Rings::new(&[true], 4, ring, 4, &dev).unwrap(),
                 Rings::new(&[true], 4, ring, 4, &dev).unwrap(),
             );
+            let x = rows(&dev, 0, prompt);
             for r in [&eager, &fixed] {
-                r.stage(0, &[(7, 0, 0, prompt)], &rows(0, prompt), &rows(0, prompt))
-                    .unwrap();
+                r.stage(0, &[(7, 0, 0, prompt)], &x, &x).unwrap();
                 r.commit(0, Some(&[7])).unwrap();
             }
             for p in prompt..prompt + 12 {
-                let x = rows(p, 1);
-                eager.stage(0, &[(7, p, 0, 1)], &x, &x).unwrap();
+                // Keys centred by a mean of 0.3 on odd steps, as the eager write subtracts it.
+                let shift = if p % 2 == 1 { 0.3 } else { 0.0 };
+                let x = rows(&dev, p, 1);
+                let mu = Tensor::new(&[[shift; 4]], &dev)
+                    .unwrap()
+                    .to_dtype(DType::F16)
+                    .unwrap();
+                let centred = (&x - &mu).unwrap();
+                eager.stage(0, &[(7, p, 0, 1)], &centred, &x).unwrap();
                 let (_, seqs) = eager.view(0, &[7]).unwrap();
                 eager.commit(0, Some(&[7])).unwrap();
 
@@ -546,10 +561,14 @@ mod tests {
                 };
                 let case = (prompt, ring, p);
                 assert_eq!(format!("{:?}", got.seq), format!("{want:?}"), "{case:?}");
-                let to = |r: u32| SlotRows::new(vec![r]);
-                let (ring_to, sink_to) = (to(got.ring_row), to(got.sink_row));
-                fixed.write_fixed(0, (&ring_to, &sink_to), &x, &x).unwrap();
+                let to = |r: u32| Tensor::new(&[r], &dev).unwrap();
+                let means = (shift > 0.0).then_some(&mu);
+                let k = fixed
+                    .write_fixed(0, (&to(got.ring_row), &to(got.sink_row)), means, &x, &x)
+                    .unwrap();
                 fixed.fixed_done(&[(7, p)]);
+                let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+                assert_eq!(bits(&k), bits(&centred), "{case:?}: the keys as written");
                 let (me, re) = intact(&eager, 7);
                 let (mf, rf) = intact(&fixed, 7);
                 assert_eq!(me, mf, "{case:?}: booked positions");

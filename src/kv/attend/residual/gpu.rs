@@ -2,7 +2,7 @@
 //! the dense copies kept on the device (`kv::cache::ring`) and merge the two, the warp kernels
 //! in one launch (the dense rows are one more split). Per step the host builds
 //! and uploads one small table (each query's parts, the same in every layer) and nothing is read
-//! back.
+//! back; a captured step finds the table in its fixed buffer ([`fixed_table`] builds it).
 
 use candle_core::{Result, Tensor};
 

@@ -31,6 +31,7 @@ mod export;
 pub use export::PromptKv;
 mod fixed;
 pub mod groups;
+pub mod held;
 mod pools;
 pub mod prefix;
 pub mod prompt_file;

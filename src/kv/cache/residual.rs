@@ -183,7 +183,7 @@ fn extend_f16(dst: &mut Vec<f16>, x: &[f32]) {
 pub(super) struct Tails {
     host: Mutex<HashMap<SeqId, Vec<Tail>>>,
     #[cfg(feature = "cuda")]
-    device: Option<super::ring::Rings>,
+    pub(super) device: Option<super::ring::Rings>,
 }
 
 impl Tails {
@@ -230,6 +230,16 @@ impl Tails {
             t.push_sinks(start, k, v, width, sinks);
         }
         t.push(start, k, v, width, keep);
+    }
+
+    /// Makes `tail` the copies of `id` in `layer` (imported ones: [`PagedKvCache::import_held`]).
+    pub(super) fn install(&self, id: SeqId, layer: usize, tail: Tail) {
+        let mut m = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        let layers = m.entry(id).or_default();
+        if layers.len() <= layer {
+            layers.resize_with(layer + 1, Tail::default);
+        }
+        layers[layer] = tail;
     }
 
     /// Drops the rows of `id` before position `from` in every layer.

@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{Result, SeqId, WriteSpan};
+use super::held::HeldLayer;
+use super::{CacheError, Result, SeqId, WriteSpan};
 use crate::kv::format::ops::SlotRows;
 use crate::kv::format::scatter::scatter_rows;
 
@@ -337,6 +338,114 @@ impl Rings {
             ring: self.ring,
         };
         Some((view, seqs))
+    }
+
+    /// Pool rows of `id`'s slot holding its first `sinks` positions and positions `from..to`.
+    fn rows_of(&self, slot: usize, sinks: usize, (from, to): (usize, usize)) -> Vec<u32> {
+        let base = slot * (self.sinks + self.ring);
+        (0..sinks)
+            .map(|p| base + p)
+            .chain((from..to).map(|p| base + self.sinks + p % self.ring))
+            .map(|r| r as u32)
+            .collect()
+    }
+
+    /// `id`'s copies in `layer` of a sequence of `len` positions: its first `ns` sink rows and
+    /// the last `nw` positions' rows, on the host (see `held`).
+    pub(super) fn export(
+        &self,
+        id: SeqId,
+        layer: usize,
+        len: usize,
+        (ns, nw): (usize, usize),
+    ) -> Result<HeldLayer> {
+        let mut st = self.lock();
+        self.commit_in(&mut st, layer, Some(&[id]))?;
+        let m = st.meta.get(&id).and_then(|m| m.get(layer)).copied();
+        let (Some(&slot), Some(m), Some(Some(l))) = (st.slots.get(&id), m, st.layers.get(layer))
+        else {
+            return Err(CacheError::Rows(format!(
+                "sequence {id}, layer {layer}: no dense copies kept"
+            )));
+        };
+        // Intact: ring rows of `lo..hi` (at most the last R), sinks `0..sinks`.
+        if m.sinks < ns || m.hi != len || m.lo + nw > len || nw > self.ring {
+            return Err(CacheError::Rows(format!(
+                "sequence {id}, layer {layer}: dense copies of positions {}..{} and {} sinks \
+                 kept, {}..{len} and {ns} sinks wanted",
+                m.lo,
+                m.hi,
+                m.sinks,
+                len - nw
+            )));
+        }
+        let rows = self.rows_of(slot, ns, (len - nw, len));
+        let cpu = Device::Cpu;
+        let (k, v) = if rows.is_empty() {
+            let z = Tensor::zeros((0, self.width), DType::F16, &cpu)?;
+            (z.clone(), z)
+        } else {
+            let idx = Tensor::new(rows.as_slice(), &self.device)?;
+            (
+                l.k.index_select(&idx, 0)?.to_device(&cpu)?,
+                l.v.index_select(&idx, 0)?.to_device(&cpu)?,
+            )
+        };
+        Ok(HeldLayer {
+            sink_k: k.narrow(0, 0, ns)?,
+            sink_v: v.narrow(0, 0, ns)?,
+            window_k: k.narrow(0, ns, nw)?,
+            window_v: v.narrow(0, ns, nw)?,
+        })
+    }
+
+    /// Makes `sinks` (`[s, width]` each, positions `0..s`) and `window` (the positions just
+    /// before `at`) `id`'s copies in `layer`, as if it had written them: rows in its slot, held.
+    pub(super) fn install(
+        &self,
+        id: SeqId,
+        layer: usize,
+        at: usize,
+        sinks: (&Tensor, &Tensor),
+        window: (&Tensor, &Tensor),
+    ) -> Result<()> {
+        let mut st = self.lock();
+        let slot = self.slot_of(&mut st, id)?;
+        let (ns, nw) = (sinks.0.dim(0)?, window.0.dim(0)?);
+        if ns > self.sinks || nw > self.ring || nw > at {
+            return Err(CacheError::Rows(format!(
+                "{ns} sink rows and {nw} window rows for {} sinks and a ring of {}",
+                self.sinks, self.ring
+            )));
+        }
+        let rows = self.rows_of(slot, ns, (at - nw, at));
+        if let (false, Some(Some(l))) = (rows.is_empty(), st.layers.get(layer)) {
+            let to = SlotRows::new(rows);
+            // One of them may be empty (no sinks, or a sequence shorter than the sinks).
+            let up = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
+                let rows = match (a.dim(0)?, b.dim(0)?) {
+                    (0, _) => b.clone(),
+                    (_, 0) => a.clone(),
+                    _ => Tensor::cat(&[a, b], 0)?,
+                };
+                Ok(rows.to_device(&self.device)?)
+            };
+            scatter_rows(&l.k, &to, &up(sinks.0, window.0)?)?;
+            scatter_rows(&l.v, &to, &up(sinks.1, window.1)?)?;
+        }
+        let nl = st.layers.len();
+        let m = st
+            .meta
+            .entry(id)
+            .or_insert_with(|| vec![Meta::default(); nl]);
+        if let Some(m) = m.get_mut(layer) {
+            *m = Meta {
+                lo: at - nw,
+                hi: at,
+                sinks: ns,
+            };
+        }
+        Ok(())
     }
 
     pub(super) fn remove(&self, id: SeqId) {

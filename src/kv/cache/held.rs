@@ -201,20 +201,24 @@ mod tests {
 
     /// Layer 0 dense, layer 1 4-bit with 4 positions dense and 2 sinks; blocks of 4.
     fn cache() -> PagedKvCache {
+        cache_on(&Device::Cpu)
+    }
+
+    fn cache_on(dev: &Device) -> PagedKvCache {
         let mut cfg = CacheConfig::dense(2, 1, 64, 4, 16, DType::F32);
         let q = QuantFormat::new(4, 64).unwrap();
         cfg.formats[1] = KvFormat::affine(q, DType::F32, false);
         cfg.residual = 4;
         cfg.sinks = 2;
-        PagedKvCache::new(cfg, &Device::Cpu).unwrap()
+        PagedKvCache::new(cfg, dev).unwrap()
     }
 
     /// Rows of positions `from..from + n`, each position's values its own.
-    fn rows(from: usize, n: usize, sign: f32) -> Tensor {
+    fn rows(from: usize, n: usize, sign: f32, dev: &Device) -> Tensor {
         let x: Vec<f32> = (from * 64..(from + n) * 64)
             .map(|i| sign * (i as f32 * 0.37).sin())
             .collect();
-        Tensor::from_vec(x, (n, 64), &Device::Cpu).unwrap()
+        Tensor::from_vec(x, (n, 64), dev).unwrap()
     }
 
     /// Writes positions `from..to` of `id` in chunks of `step`, as prefill steps do.
@@ -224,8 +228,9 @@ mod tests {
             let n = step.min(to - at);
             c.reserve(id, n).unwrap();
             for l in 0..2 {
-                c.write(l, id, at, &rows(at, n, 1.0), &rows(at, n, -1.0))
-                    .unwrap();
+                let dev = c.device().clone();
+                let (k, v) = (rows(at, n, 1.0, &dev), rows(at, n, -1.0, &dev));
+                c.write(l, id, at, &k, &v).unwrap();
             }
             c.advance(id, n).unwrap();
             at += n;
@@ -276,6 +281,48 @@ mod tests {
         c.import_rows(4, &stored, 4).unwrap();
         assert!(c.import_held(4, &other, 10).is_err(), "other sinks");
         c.import_held(4, &held, 10).unwrap();
+    }
+
+    /// Every layer's copies as host f32 values, for comparing.
+    fn values(h: &HeldRows) -> Vec<Vec<Vec<f32>>> {
+        let v = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+        let layers = h.layers.iter().flatten();
+        layers
+            .flat_map(|l| [&l.sink_k, &l.sink_v, &l.window_k, &l.window_v])
+            .map(v)
+            .collect()
+    }
+
+    /// What [`imported_copies_are_those_the_holder_had`] checks, through exports only (so on
+    /// any device: on CUDA the copies live in the rings): a sequence given another's copies
+    /// exports them back, and both export the same after the same writes.
+    fn round_trip_on(dev: &Device) {
+        let mut c = cache_on(dev);
+        c.add_sequence(1).unwrap();
+        fill(&mut c, 1, (0, 10), 3);
+        let held = c.export_held(1).unwrap().unwrap();
+        let stored = c.export_rows(1).unwrap();
+        c.add_sequence(2).unwrap();
+        c.import_rows(2, &stored, 4).unwrap();
+        c.import_held(2, &held, 10).unwrap();
+        let back = c.export_held(2).unwrap().unwrap();
+        assert_eq!(values(&back), values(&held));
+        fill(&mut c, 1, (10, 13), 2);
+        fill(&mut c, 2, (10, 13), 3);
+        let (a, b) = (c.export_held(1).unwrap(), c.export_held(2).unwrap());
+        assert_eq!(values(&a.unwrap()), values(&b.unwrap()));
+    }
+
+    #[test]
+    fn imported_copies_export_back_cpu() {
+        round_trip_on(&Device::Cpu);
+    }
+
+    /// The rings' import (`Rings::install`) and export (`Rings::export`).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn imported_copies_export_back_cuda() {
+        round_trip_on(&Device::new_cuda(0).expect("a CUDA device"));
     }
 
     /// A sequence shorter than the window holds all its positions: any start within it works,

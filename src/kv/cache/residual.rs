@@ -4,7 +4,8 @@
 //! costs most: a query weighs its recent positions heavily.
 //!
 //! The quantized rows are written as always (every position has one, so the pools' layout,
-//! windows, block accounting and prompt files are those of the cache without `N`); beside them each (sequence, quantized layer) keeps the f16 rows of its newest
+//! windows and block accounting are those of the cache without `N`; prompt files add the copies
+//! a run needs to go on from them, `held`); beside them each (sequence, quantized layer) keeps the f16 rows of its newest
 //! positions, `N − 1` of them between steps plus the rows being attended — what the queries at
 //! positions `start..start + n` see dense is `start + 1 − N ..= start + n − 1`.
 //! With `--kv-sinks S` the first `S` positions' rows are kept too, for good (attention sinks:

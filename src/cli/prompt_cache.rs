@@ -2,7 +2,9 @@
 //! needs a clear one-line answer to), and writing one after a prefill.
 //!
 //! A cache is reused up to the longest common prefix of its tokens and the new prompt (at most
-//! all but the prompt's last two tokens); the rest of the prompt is prefilled. A cache that shares no
+//! all but the prompt's last two tokens); the rest of the prompt is prefilled. Under
+//! `--kv-residual` the file must also hold the dense copies that prefill attends
+//! ([`check_held`]). A cache that shares no
 //! leading token with the prompt is refused, as is one made by another model or stored in
 //! another format than this run would store those tokens in.
 
@@ -21,11 +23,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::engine::request::CachedPrefix;
+use crate::kv::cache::held::HeldRows;
 use crate::kv::cache::prompt_file::{
-    reusable_prefix, save, ModelIdentity, PromptCacheFile, PromptCacheMeta,
+    reusable_prefix, save_with, ModelIdentity, PromptCacheFile, PromptCacheMeta,
 };
 use crate::kv::cache::{CacheConfig, PromptKv};
-use crate::kv::format::LayerRows;
+use crate::kv::format::{KvFormat, LayerRows};
 use crate::model::load::LoadedModel;
 
 /// Opened prompt-cache files by path, so requests naming the same file share one mapping.
@@ -44,14 +47,6 @@ impl CacheFiles {
         model: &ModelIdentity,
         cfg: &CacheConfig,
     ) -> Result<CachedPrefix> {
-        if cfg.residual > 0 {
-            bail!(
-                "--prompt-cache cannot start a run with --kv-residual {}: the file holds the \
-                 quantized rows only, so the newest of them would attend quantized instead of \
-                 dense (--save-prompt-cache works; start from the file without --kv-residual)",
-                cfg.residual
-            );
-        }
         let file = match self.open.get(path) {
             Some(f) => f.clone(),
             None => {
@@ -81,6 +76,7 @@ impl CacheFiles {
             // what this run would have computed.
             tokens = tokens.min(w);
         }
+        check_held(&file, cfg, tokens)?;
         if tokens == 0 && prompt.len() <= 2 {
             bail!(
                 "the prompt has {} tokens: too short to start from prompt cache {} (its last two \
@@ -111,6 +107,59 @@ impl CacheFiles {
         file.check_formats(&cfg.formats_for_prefix(tokens), &hint)?;
         Ok(CachedPrefix { file, tokens })
     }
+}
+
+/// Refuses a start from `tokens` positions of `file` that could not go on as a fresh run
+/// does under `--kv-residual` / `--kv-sinks`: the file's rows were computed through its run's
+/// window (so it must be this run's), and the first position computed must attend the dense
+/// copies of the `N − 1` before it, which the file holds for its last positions only
+/// (`kv::cache::held` says why).
+fn check_held(file: &PromptCacheFile, cfg: &CacheConfig, tokens: usize) -> Result<()> {
+    let quantized = cfg
+        .formats
+        .iter()
+        .any(|f| matches!(f, KvFormat::Affine { .. }));
+    let (path, h) = (file.path().display(), file.held_meta());
+    let (n, s) = if quantized {
+        (cfg.residual, cfg.sinks)
+    } else {
+        (0, 0)
+    };
+    let flags = |n: usize, s: usize| match (n, s) {
+        (0, _) => "without --kv-residual".to_string(),
+        (n, 0) => format!("with --kv-residual {n} and without --kv-sinks"),
+        (n, s) => format!("with --kv-residual {n} --kv-sinks {s}"),
+    };
+    if h.residual == 0 && n > 0 {
+        bail!(
+            "prompt cache {path} holds no dense copies of its rows (saved without \
+             --kv-residual), which this run attends dense: save it again (--save-prompt-cache) \
+             {}",
+            flags(n, s)
+        );
+    }
+    if (h.residual, h.sinks) != (n, s) {
+        bail!(
+            "prompt cache {path} was saved {}, and its rows were computed through that dense \
+             window; this run keeps {n} positions and {s} sinks dense: start from it {}, or \
+             save it again (--save-prompt-cache) {}",
+            flags(h.residual, h.sinks),
+            flags(h.residual, h.sinks),
+            flags(n, s)
+        );
+    }
+    let len = file.tokens().len();
+    let kept = HeldRows::window_rows(n, len);
+    if n == 0 || tokens == 0 || (tokens + 1).saturating_sub(n) >= len - kept {
+        return Ok(());
+    }
+    bail!(
+        "prompt cache {path} holds the dense copies (--kv-residual {n}) of its last {kept} \
+         positions only, and the first position this run computes, {tokens}, must attend the {} \
+         before it dense: under --kv-residual a file starts only prompts that extend all its \
+         {len} tokens (by at least two)",
+        n - 1
+    )
 }
 
 /// Refuses to save where the cache could not hold the whole prompt (a sliding window shorter
@@ -149,6 +198,11 @@ pub fn write(
         tokens: prompt.to_vec(),
         centers: kv.centers.clone(),
     };
-    save(&super::output_file::replace_target(path), &meta, rows)?;
+    save_with(
+        &super::output_file::replace_target(path),
+        &meta,
+        rows,
+        kv.held.as_ref(),
+    )?;
     Ok(())
 }

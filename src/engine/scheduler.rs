@@ -342,6 +342,14 @@ impl<'m> Engine<'m> {
         self.cache
             .import_rows(id, &rows, self.cfg.prefill_chunk)
             .map_err(|e| anyhow::anyhow!("{}: {e}", p.file.path().display()))?;
+        // Under --kv-residual the rows attend through the copies the saving run held.
+        if self.cache.config().residual > 0 {
+            if let Some(held) = p.file.load_held(self.cache.device())? {
+                self.cache
+                    .import_held(id, &held, p.tokens)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", p.file.path().display()))?;
+            }
+        }
         self.stats.cached_tokens += p.tokens;
         Ok(())
     }
@@ -469,6 +477,7 @@ impl<'m> Engine<'m> {
                 let kv = PromptKv {
                     rows: self.cache.export_rows(id)?,
                     centers: self.cache.export_centers(id)?,
+                    held: self.cache.export_held(id)?,
                 };
                 self.prompt_kv.insert(id, kv);
             }

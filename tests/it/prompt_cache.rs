@@ -406,22 +406,96 @@ fn the_same_prompt_is_saved_as_the_same_bytes_by_every_run() {
     }
 }
 
-/// A prompt file can be saved under `--kv-residual` (its rows are the quantized ones, computed
-/// with the residual window), but starting a run from one under `--kv-residual` is refused: the
-/// file has no dense copies, so its newest rows would attend quantized, unlike a fresh run's.
+/// Under the dense window with sinks and centred 3.5-bit keys (`--kv-residual`, `--kv-sinks`,
+/// `--kv-center`) a prompt file keeps the dense copies its run held (sinks and the newest
+/// positions), and a run started from it goes on exactly as a fresh run: the same tokens, and,
+/// bit for bit, the same file when it saves the longer prompt in turn (every layer's rows, key
+/// means and copies).
 #[test]
-fn kv_residual_saves_a_prompt_file_and_refuses_to_start_from_one() {
+fn kv_window_prompt_files_start_runs_exactly() {
     let dir = tempfile::tempdir().unwrap();
-    let with = ["--kv-bits", "4", "--kv-residual", "16"];
-    let (res, saved) = save(dir.path(), "res.safetensors", SHORT, &with);
-    assert!(!saved.is_empty());
-    let mut args = with.to_vec();
-    args.extend(["--prompt-cache", res.to_str().unwrap()]);
-    let e = generate_err(LONG, &args);
+    let kv = [
+        "--kv-bits",
+        "3.5",
+        "--kv-residual",
+        "8",
+        "--kv-sinks",
+        "4",
+        "--kv-center",
+    ];
+    let (file, saved) = save(dir.path(), "w.safetensors", SHORT_B, &kv);
+    assert!(saved.len() >= 16, "{} tokens", saved.len());
+    let mut with = kv.to_vec();
+    with.extend(["--prompt-cache", file.to_str().unwrap()]);
+    let fresh = generate(LONG_B, 24, &kv);
+    let cached = generate(LONG_B, 24, &with);
+    assert_eq!(cached["stats"]["cached_tokens"], saved.len());
+    assert_eq!(ids(&cached["tokens"]), ids(&fresh["tokens"]));
+    let (fresh_file, _) = save(dir.path(), "fresh.safetensors", LONG_B, &kv);
+    let (from_file, _) = save(dir.path(), "from.safetensors", LONG_B, &with);
+    let bytes = |p: &Path| std::fs::read(p).unwrap();
     assert!(
-        e.contains("--prompt-cache cannot start a run with --kv-residual 16"),
+        bytes(&fresh_file) == bytes(&from_file),
+        "a run started from the file saves other rows or copies than a fresh run"
+    );
+    let header = |p: &Path| {
+        leading_rows(p, 1)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect::<Vec<_>>()
+    };
+    let names = header(&fresh_file);
+    for t in [
+        "1.k.sinks",
+        "1.v.sinks",
+        "1.k.window",
+        "1.v.window",
+        "1.k.center",
+    ] {
+        assert!(names.iter().any(|n| n == t), "{t} in {names:?}");
+    }
+}
+
+/// `generate_err` started from `file`.
+fn start_err(file: &Path, flags: &[&str], prompt: &str) -> String {
+    let mut args = flags.to_vec();
+    args.extend(["--prompt-cache", file.to_str().unwrap()]);
+    generate_err(prompt, &args)
+}
+
+/// A file that cannot start a run as a fresh run goes under the window is refused, naming what
+/// to change: saved without sinks (or without copies at all) for a run with them, saved with
+/// them for a run without, or a prompt that stops short of the file's last position (whose
+/// first computed token would need copies the file does not hold).
+#[test]
+fn kv_window_prompt_files_refuse_what_they_cannot_start_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = ["--kv-bits", "4", "--kv-residual", "8", "--kv-sinks", "4"];
+    let (no_sinks, _) = save(
+        dir.path(),
+        "n.safetensors",
+        SHORT,
+        &["--kv-bits", "4", "--kv-residual", "8"],
+    );
+    let e = start_err(&no_sinks, &run, LONG);
+    assert!(
+        e.contains("--kv-sinks 4") && e.contains("--save-prompt-cache"),
         "{e}"
     );
+    let (plain, _) = save(dir.path(), "p.safetensors", SHORT, &["--kv-bits", "4"]);
+    let e = start_err(&plain, &run, LONG);
+    assert!(
+        e.contains("saved without --kv-residual") && e.contains("--save-prompt-cache"),
+        "{e}"
+    );
+    let (window, _) = save(dir.path(), "w.safetensors", SHORT, &run);
+    let e = start_err(&window, &["--kv-bits", "4"], LONG);
+    assert!(
+        e.contains("start from it with --kv-residual 8 --kv-sinks 4"),
+        "{e}"
+    );
+    let e = start_err(&window, &run, SHORT);
+    assert!(e.contains("starts only prompts that extend all its"), "{e}");
 }
 
 /// Centred keys (`--kv-center`) are saved with their sequence's key means, and a run started

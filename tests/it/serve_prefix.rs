@@ -1,6 +1,6 @@
 //! Automatic prefix reuse in `kvq serve`: a request sharing a 1,000-token prefix with an
 //! earlier one prefills only the rest (usage reports the cached tokens) and gets the same
-//! tokens as a server without reuse, with a dense and a 4-bit cache.
+//! tokens as a server without reuse, with a dense, a 4-bit and a centred 3.5-bit cache.
 
 use crate::common::server::*;
 use crate::common::*;
@@ -80,6 +80,40 @@ fn shared_prefix_reuse_dense() {
 #[test]
 fn shared_prefix_reuse_kv4() {
     shared_prefix_reuse(&["--kv-bits", "4"]);
+}
+
+/// Centred keys (`--kv-center`): a prefix is reused with the key means its blocks were stored
+/// with (those of its first block), so b gets what it gets alone.
+#[test]
+fn shared_prefix_reuse_kv_center() {
+    shared_prefix_reuse(&["--kv-bits", "3.5", "--kv-center"]);
+}
+
+/// Under `--kv-residual` nothing is reused (the first token after a shared prefix would attend
+/// the dense copies of the positions before it, which shared blocks do not keep), and answers
+/// are those of a server without reuse.
+#[test]
+fn no_prefix_reuse_under_kv_residual() {
+    let flags = [
+        "--kv-bits",
+        "3.5",
+        "--kv-residual",
+        "8",
+        "--kv-sinks",
+        "4",
+        "--kv-center",
+    ];
+    let a: Vec<u32> = [corpus_ids(0, 64), corpus_ids(5000, 8)].concat();
+    let b: Vec<u32> = [corpus_ids(0, 64), corpus_ids(9000, 8)].concat();
+    let cold = Server::start(&[&flags[..], &["--no-prefix-cache"]].concat());
+    let (want, _) = complete(&cold, &b);
+    drop(cold);
+    let s = Server::start(&flags);
+    complete(&s, &a);
+    let (got, usage) = complete(&s, &b);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(got, want);
+    assert_eq!(s.metric("kvq_prefix_cache_hits_total"), 0.0);
 }
 
 /// A pool too small to keep every prompt: cached prefixes are evicted least recently used, the

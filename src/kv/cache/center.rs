@@ -11,10 +11,13 @@
 //!
 //! `μ` is the mean of the sequence's first block of keys in the layer (or of its first write,
 //! if shorter), fixed then. Rows moved to another sequence take their `μ` along (prompt-cache
-//! files store it: [`PagedKvCache::export_centers`], [`PagedKvCache::import_centers`]). What it
-//! cannot serve: prefix reuse shares blocks between sequences of different means, and
-//! soft-capped scores (`tanh(s / c)·c`) are not shift-invariant; both are refused where they are
-//! set up.
+//! files store it: [`PagedKvCache::export_centers`], [`PagedKvCache::import_centers`]). Prefix
+//! reuse shares blocks, so a sequence attaching a cached prefix takes the means its blocks were
+//! stored with: those of a sequence whose means came from a whole first block (a function of
+//! that block's tokens, as a fresh run of the new prompt computes them); the blocks of a sequence
+//! whose first write was shorter (a prompt split in chunks under a block, or sharing a step's
+//! prompt budget) are not offered ([`PagedKvCache::register_prefix`]). What it cannot serve:
+//! soft-capped scores (`tanh(s / c)·c`) are not shift-invariant; refused where they are set up.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -29,7 +32,18 @@ use super::{CacheError, KvFormat, PagedKvCache, Result, SeqId, WriteSpan};
 pub(super) struct Centers(Mutex<Means>);
 
 /// The means by sequence.
-type Means = HashMap<SeqId, Vec<Option<Tensor>>>;
+type Means = HashMap<SeqId, SeqMeans>;
+
+/// One sequence's means per layer (`[1, width]` f32), as a cached prefix hands them over.
+pub(super) type KeyMeans = std::sync::Arc<Vec<Option<Tensor>>>;
+
+#[derive(Debug, Clone)]
+struct SeqMeans {
+    layers: Vec<Option<Tensor>>,
+    /// Every mean fixed so far came from a whole first block (positions `0..block_size` in one
+    /// write), or from a prefix of such a sequence: a function of that block's tokens.
+    whole: bool,
+}
 
 impl Centers {
     fn map(&self) -> std::sync::MutexGuard<'_, Means> {
@@ -61,7 +75,7 @@ impl PagedKvCache {
                     return Ok(None);
                 }
                 let mu = means
-                    .and_then(|m| m.get(l).cloned().flatten())
+                    .and_then(|m| m.layers.get(l).cloned().flatten())
                     .ok_or_else(|| {
                         CacheError::Rows(format!("sequence {id} has no key mean in layer {l}"))
                     })?;
@@ -97,8 +111,32 @@ impl PagedKvCache {
                     .transpose()
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        self.centers.map().insert(id, per_layer);
+        // Their first write is unknown: not offered to prefix reuse.
+        let means = SeqMeans {
+            layers: per_layer,
+            whole: false,
+        };
+        self.centers.map().insert(id, means);
         Ok(())
+    }
+
+    /// `id`'s means for the prefix cache: every centred layer's, fixed from a whole first block
+    /// (`None` otherwise: its blocks must not be shared).
+    pub(super) fn prefix_means(&self, id: SeqId) -> Option<KeyMeans> {
+        let map = self.centers.map();
+        let m = map.get(&id).filter(|m| m.whole)?;
+        let all = (0..self.cfg.num_layers)
+            .all(|l| !self.centers_keys(l) || m.layers.get(l).is_some_and(Option::is_some));
+        all.then(|| std::sync::Arc::new(m.layers.clone()))
+    }
+
+    /// Gives the new sequence `id` the means of the cached prefix it starts on.
+    pub(super) fn take_prefix_means(&self, id: SeqId, means: &KeyMeans) {
+        let m = SeqMeans {
+            layers: means.as_ref().clone(),
+            whole: true,
+        };
+        self.centers.map().insert(id, m);
     }
 
     /// Whether `id` may take rows as they are: with centred keys, only once it has their means.
@@ -164,17 +202,21 @@ impl PagedKvCache {
         // Row r of `k` takes mean `pick[r]` of `means` (rows no span names: a last row of zeros).
         let mut means = Vec::with_capacity(spans.len() + 1);
         let mut pick = vec![u32::MAX; rows];
-        for &(id, _, offset, n) in spans {
+        let bs = self.cfg.block_size;
+        for &(id, start, offset, n) in spans {
             if n == 0 {
                 continue;
             }
-            let per_layer = map
-                .entry(id)
-                .or_insert_with(|| vec![None; self.cfg.num_layers]);
-            let mu = match per_layer.get_mut(layer) {
+            let per_layer = map.entry(id).or_insert_with(|| SeqMeans {
+                layers: vec![None; self.cfg.num_layers],
+                whole: true,
+            });
+            let whole = &mut per_layer.whole;
+            let mu = match per_layer.layers.get_mut(layer) {
                 Some(Some(mu)) => mu.clone(),
                 Some(slot) => {
-                    let first = k.narrow(0, offset, n.min(self.cfg.block_size))?;
+                    *whole &= start == 0 && n >= bs;
+                    let first = k.narrow(0, offset, n.min(bs))?;
                     let mu = first.to_dtype(DType::F32)?.mean_keepdim(0)?;
                     *slot = Some(mu.clone());
                     mu
@@ -253,5 +295,61 @@ mod tests {
         c.centers.remove(1);
         let out = c.centred(1, &[(1, 0, 0, 1)], &next).unwrap();
         assert!(out.to_vec2::<f32>().unwrap()[0].iter().all(|&x| x == 0.0));
+    }
+
+    /// Writes positions `0..n` of a new sequence `id` in writes of `first`, then the rest.
+    fn prefill(c: &mut PagedKvCache, id: SeqId, n: usize, first: usize) {
+        c.add_sequence(id).unwrap();
+        c.reserve(id, n).unwrap();
+        let k = Tensor::arange(0f32, (n * 64) as f32, &Device::Cpu)
+            .unwrap()
+            .affine(0.01, 1.0)
+            .unwrap()
+            .reshape((n, 64))
+            .unwrap();
+        for (start, len) in [(0, first), (first, n - first)] {
+            for l in 0..2 {
+                let x = k.narrow(0, start, len).unwrap();
+                c.write(l, id, start, &x, &x).unwrap();
+            }
+        }
+        c.advance(id, n).unwrap();
+    }
+
+    /// Prefix reuse of centred keys: a sequence whose means came from a write shorter than a
+    /// block offers no blocks; one whose means came from a whole first block offers its blocks
+    /// with them, and a sequence attaching them takes those means (and offers its own on).
+    #[test]
+    fn a_prefix_comes_with_the_means_of_its_whole_first_block() {
+        let mut c = cache();
+        c.enable_prefix_cache().unwrap();
+        let tokens: Vec<u32> = (0..12).collect();
+        prefill(&mut c, 1, 10, 3);
+        assert!(c.prefix_means(1).is_none());
+        c.register_prefix(1, &tokens[..10]).unwrap();
+        c.remove_sequence(1);
+        assert_eq!(
+            c.prefix_cached_blocks(),
+            0,
+            "centred from 3 rows: not offered"
+        );
+
+        prefill(&mut c, 2, 10, 6);
+        c.register_prefix(2, &tokens[..10]).unwrap();
+        let want = c.export_centers(2).unwrap();
+        c.remove_sequence(2);
+        assert_eq!(c.prefix_cached_blocks(), 2);
+        c.add_sequence(3).unwrap();
+        assert_eq!(c.attach_prefix(3, &tokens, 10).unwrap(), 8);
+        assert_eq!(c.export_centers(3).unwrap(), want);
+        assert!(c.prefix_means(3).is_some());
+        // Once the blocks are evicted, their means go too: nothing to attach.
+        c.remove_sequence(3);
+        for _ in 0..2 {
+            c.groups[0].prefix.as_mut().unwrap().evict().unwrap();
+        }
+        assert!(c.groups[0].prefix.as_ref().unwrap().side(&tokens).is_none());
+        c.add_sequence(4).unwrap();
+        assert_eq!(c.attach_prefix(4, &tokens, 10).unwrap(), 0);
     }
 }

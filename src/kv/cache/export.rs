@@ -3,12 +3,14 @@
 
 use super::*;
 
-/// A sequence's prompt as stored, for a prompt-cache file: its rows per layer and, where keys
-/// are stored centred, their means ([`PagedKvCache::export_centers`]).
+/// A sequence's prompt as stored, for a prompt-cache file: its rows per layer, where keys are
+/// stored centred their means ([`PagedKvCache::export_centers`]), and under `--kv-residual` the
+/// dense copies it holds ([`PagedKvCache::export_held`]).
 #[derive(Debug, Clone)]
 pub struct PromptKv {
     pub rows: Vec<LayerRows>,
     pub centers: Vec<Option<Vec<f32>>>,
+    pub held: Option<super::held::HeldRows>,
 }
 
 impl PagedKvCache {

@@ -32,6 +32,7 @@ pub use export::PromptKv;
 mod fixed;
 pub use fixed::FixedWrites;
 pub mod groups;
+pub mod held;
 mod pools;
 pub mod prefix;
 pub mod prompt_file;

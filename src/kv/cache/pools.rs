@@ -3,6 +3,7 @@
 
 use candle_core::Device;
 
+use super::center::KeyMeans;
 use super::prefix::PrefixIndex;
 use super::{CacheError, Pool, Result};
 use crate::kv::format::{KvFormat, LayerKv};
@@ -51,8 +52,9 @@ pub(super) struct GroupPools {
     pub(super) window: Option<usize>,
     pub(super) main: BlockPool,
     pub(super) staging: Option<BlockPool>,
-    /// Automatic prefix reuse of main-pool blocks (see [`prefix`]), when enabled.
-    pub(super) prefix: Option<PrefixIndex>,
+    /// Automatic prefix reuse of main-pool blocks (see [`prefix`]), when enabled; with
+    /// `--kv-center`, each first block keeps the key means its prefixes were stored with.
+    pub(super) prefix: Option<PrefixIndex<KeyMeans>>,
 }
 
 impl GroupPools {

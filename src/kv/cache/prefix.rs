@@ -10,6 +10,10 @@
 //! whose count falls to 0 is not freed but parked in the LRU list, where it stays findable until
 //! the pool needs a block and nothing is on the free list; an unregistered one goes back to the
 //! free list. This module only keeps the books; the cache moves the block ids.
+//!
+//! What the cache keeps per *first block* (`S`: `--kv-center`'s key means, a function of that
+//! block's tokens) lives beside the entries of the prefixes starting with it, and goes with the
+//! last of them to be evicted.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
@@ -31,10 +35,19 @@ struct Entry {
     block: u32,
     parent: u64,
     tokens: Vec<u32>,
+    /// Key of the prefix's first block.
+    root: u64,
+}
+
+/// The entries of prefixes starting with one first block, and what is kept with them.
+struct Root<S> {
+    tokens: Vec<u32>,
+    entries: usize,
+    side: Option<S>,
 }
 
 /// Book-keeping of shared, cached blocks of one pool.
-pub struct PrefixIndex {
+pub struct PrefixIndex<S = ()> {
     block_size: usize,
     refs: Vec<u32>,
     /// Key of each registered block.
@@ -44,9 +57,10 @@ pub struct PrefixIndex {
     lru: BTreeMap<u64, u32>,
     last_use: Vec<u64>,
     clock: u64,
+    roots: HashMap<u64, Root<S>>,
 }
 
-impl PrefixIndex {
+impl<S> PrefixIndex<S> {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         Self {
             block_size,
@@ -56,6 +70,7 @@ impl PrefixIndex {
             lru: BTreeMap::new(),
             last_use: vec![0; num_blocks],
             clock: 0,
+            roots: HashMap::new(),
         }
     }
 
@@ -93,8 +108,16 @@ impl PrefixIndex {
     /// Takes the least recently used parked block out of the index, for reuse as a fresh one.
     pub fn evict(&mut self) -> Option<u32> {
         let (_, block) = self.lru.pop_first()?;
-        if let Some(k) = self.key[block as usize].take() {
-            self.entries.remove(&k);
+        if let Some(e) = self.key[block as usize]
+            .take()
+            .and_then(|k| self.entries.remove(&k))
+        {
+            if let Some(r) = self.roots.get_mut(&e.root) {
+                r.entries -= 1;
+                if r.entries == 0 {
+                    self.roots.remove(&e.root);
+                }
+            }
         }
         Some(block)
     }
@@ -151,6 +174,16 @@ impl PrefixIndex {
     /// hold the K/V of `tokens` from position 0; every full block held is registered unless an
     /// equal prefix already is.
     pub fn register(&mut self, blocks: &[Option<u32>], tokens: &[u32]) {
+        self.register_with(blocks, tokens, None);
+    }
+
+    /// [`Self::register`], keeping `side` with the first block of `tokens` (unless something
+    /// is kept there already) for as long as a block of a prefix starting with it is cached.
+    pub fn register_with(&mut self, blocks: &[Option<u32>], tokens: &[u32], side: Option<S>) {
+        let Some(first) = tokens.get(..self.block_size) else {
+            return;
+        };
+        let root = chain(ROOT, first);
         let mut parent = ROOT;
         for (chunk, &b) in tokens.chunks_exact(self.block_size).zip(blocks) {
             let k = chain(parent, chunk);
@@ -163,12 +196,22 @@ impl PrefixIndex {
                 Some(e) if e.parent == parent && e.tokens == chunk => {}
                 Some(_) => break, // a hash collision: leave the rest unregistered
                 None if self.key[b as usize].is_none() => {
+                    let r = self.roots.entry(root).or_insert_with(|| Root {
+                        tokens: first.to_vec(),
+                        entries: 0,
+                        side: None,
+                    });
+                    if r.tokens != first {
+                        break; // a hash collision of first blocks
+                    }
+                    r.entries += 1;
                     self.entries.insert(
                         k,
                         Entry {
                             block: b,
                             parent,
                             tokens: chunk.to_vec(),
+                            root,
                         },
                     );
                     self.key[b as usize] = Some(k);
@@ -178,6 +221,18 @@ impl PrefixIndex {
             }
             parent = k;
         }
+        if let Some(r) = self.roots.get_mut(&root) {
+            if r.tokens == first && r.side.is_none() {
+                r.side = side;
+            }
+        }
+    }
+
+    /// What is kept with the first block of `tokens` (see [`Self::register_with`]).
+    pub fn side(&self, tokens: &[u32]) -> Option<&S> {
+        let first = tokens.get(..self.block_size)?;
+        let r = self.roots.get(&chain(ROOT, first))?;
+        (r.tokens == first).then_some(r.side.as_ref()).flatten()
     }
 
     fn touch(&mut self, block: u32) {
@@ -197,7 +252,7 @@ mod tests {
 
     #[test]
     fn shared_blocks_are_found_by_prefix_and_parked_when_released() {
-        let mut p = PrefixIndex::new(8, 2);
+        let mut p: PrefixIndex = PrefixIndex::new(8, 2);
         // A sequence holds blocks 0,1,2 with tokens [1,2 | 3,4 | 5] (the last one partial).
         for b in [0, 1, 2] {
             p.hold(b);
@@ -232,7 +287,7 @@ mod tests {
 
     #[test]
     fn equal_prefixes_register_once_and_lru_order_follows_use() {
-        let mut p = PrefixIndex::new(8, 2);
+        let mut p: PrefixIndex = PrefixIndex::new(8, 2);
         for b in 0..4 {
             p.hold(b);
         }
@@ -249,9 +304,38 @@ mod tests {
         assert!(p.release(3));
     }
 
+    /// What is kept with a first block is found through any prompt starting with it, is
+    /// not replaced by a later registration, and goes with the last cached block of its
+    /// prefixes.
+    #[test]
+    fn a_first_blocks_side_lives_as_long_as_its_prefixes() {
+        let mut p: PrefixIndex<&str> = PrefixIndex::new(8, 2);
+        for b in 0..3 {
+            p.hold(b);
+        }
+        p.register_with(&[Some(0), Some(1)], &[1, 2, 3, 4], Some("a"));
+        p.register_with(&[Some(0), Some(2)], &[1, 2, 5, 6], Some("b"));
+        assert_eq!(p.side(&[1, 2, 9]), Some(&"a"));
+        assert_eq!(p.side(&[1, 3, 9]), None);
+        assert_eq!(p.side(&[1]), None);
+        for b in [1, 2, 0] {
+            assert!(!p.release(b));
+        }
+        // Parked in release order 1, 2, 0: block 0 (the first block) goes last.
+        assert_eq!(p.evict(), Some(1));
+        assert_eq!(p.evict(), Some(2));
+        assert_eq!(p.side(&[1, 2]), Some(&"a"));
+        assert_eq!(p.evict(), Some(0));
+        assert_eq!(p.side(&[1, 2]), None);
+        // Registered again without one: nothing kept.
+        p.hold(3);
+        p.register(&[Some(3)], &[1, 2]);
+        assert_eq!(p.side(&[1, 2]), None);
+    }
+
     #[test]
     fn a_windowed_table_registers_the_blocks_it_still_holds() {
-        let mut p = PrefixIndex::new(8, 2);
+        let mut p: PrefixIndex = PrefixIndex::new(8, 2);
         for b in [3, 4] {
             p.hold(b);
         }

@@ -21,7 +21,8 @@
 //!   when the file is opened, so a damaged file is refused instead of changing the output.
 //!
 //! Keys stored centred (`--kv-center`) come with their sequence's mean per quantized layer,
-//! `L.k.center` (f32 `[kv_heads*head_dim]`): the rows mean nothing without it.
+//! `L.k.center` (f32 `[kv_heads*head_dim]`): the rows mean nothing without it. A file saved
+//! under `--kv-residual` keeps the dense copies its run held (sinks and window, see [`held`]).
 
 // Data here comes from files and the command line: no unwrap, expect or indexing that could
 // panic on it (issue 21; clippy enforces it in CI).
@@ -39,8 +40,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use super::held::HeldRows;
 use crate::kv::format::tag::{file_tensors, format_name, format_tag, parse_format};
 use crate::kv::format::{KvFormat, LayerRows};
+
+mod held;
+pub use held::HeldMeta;
 
 /// The file format version this code writes and reads.
 pub const VERSION: &str = "2";
@@ -118,6 +123,16 @@ fn checksum(bytes: &[u8]) -> String {
 /// new temporary file beside it first, then renamed, so a reader never sees half a file and no
 /// other file is touched. The caller decides whether `path` may be replaced.
 pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<()> {
+    save_with(path, meta, rows, None)
+}
+
+/// [`save`] with the dense copies a `--kv-residual` run held (`held`'s module doc).
+pub fn save_with(
+    path: &Path,
+    meta: &PromptCacheMeta,
+    rows: &[LayerRows],
+    held: Option<&HeldRows>,
+) -> Result<()> {
     let fail = |msg: String| PromptCacheError::Write {
         path: path.to_path_buf(),
         msg,
@@ -152,6 +167,12 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
             tensors.push((center_name(l), t));
         }
     }
+    let mut fields = Vec::new();
+    if let Some(h) = held {
+        let (ts, f) = held::tensors(meta, h).map_err(fail)?;
+        tensors.extend(ts);
+        fields = f;
+    }
     let tokens = serde_json::to_string(&meta.tokens).map_err(|e| fail(e.to_string()))?;
     let sums: BTreeMap<&str, String> = tensors
         .iter()
@@ -182,6 +203,7 @@ pub fn save(path: &Path, meta: &PromptCacheMeta, rows: &[LayerRows]) -> Result<(
         ("kvq.checksums", sums),
     ]
     .into_iter()
+    .chain(fields)
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     let mut bytes =
@@ -246,6 +268,7 @@ fn sort_header(bytes: &mut [u8]) -> std::result::Result<(), String> {
 pub struct PromptCacheFile {
     path: PathBuf,
     meta: PromptCacheMeta,
+    held: HeldMeta,
     mmap: memmap2::Mmap,
 }
 
@@ -286,10 +309,12 @@ impl PromptCacheFile {
             path: path.to_path_buf(),
             source,
         })?;
-        let meta = read_meta(path, &mmap)?;
+        let (meta, expected) = read_meta(path, &mmap)?;
+        let held = held::check(path, &mmap, &meta, expected)?;
         Ok(Self {
             path: path.to_path_buf(),
             meta,
+            held,
             mmap,
         })
     }
@@ -432,8 +457,9 @@ fn short(fingerprint: &str) -> &str {
     fingerprint.get(..end).unwrap_or(fingerprint)
 }
 
-/// Parses and checks the header: metadata, then every tensor's dtype and shape.
-fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
+/// Parses and checks the header: metadata, then every tensor's dtype and shape. Returns the
+/// tensors it checked with the metadata.
+fn read_meta(path: &Path, bytes: &[u8]) -> Result<(PromptCacheMeta, usize)> {
     let invalid = |msg: String| PromptCacheError::Invalid {
         path: path.to_path_buf(),
         msg,
@@ -538,13 +564,7 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
     if centers.iter().all(Option::is_none) {
         centers.clear();
     }
-    if st.len() != expected {
-        return Err(invalid(format!(
-            "{} tensors, expected {expected}",
-            st.len()
-        )));
-    }
-    Ok(PromptCacheMeta {
+    let meta = PromptCacheMeta {
         fingerprint: field("kvq.fingerprint")?.clone(),
         model: md.get("kvq.model").cloned().unwrap_or_default(),
         weights: field("kvq.weights")?.clone(),
@@ -554,7 +574,8 @@ fn read_meta(path: &Path, bytes: &[u8]) -> Result<PromptCacheMeta> {
         formats,
         tokens,
         centers,
-    })
+    };
+    Ok((meta, expected))
 }
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 //! costs most: a query weighs its recent positions heavily.
 //!
 //! The quantized rows are written as always (every position has one, so the pools' layout,
-//! windows, block accounting and prompt files are those of the cache without `N`); beside them each (sequence, quantized layer) keeps the f16 rows of its newest
+//! windows and block accounting are those of the cache without `N`; prompt files add the copies
+//! a run needs to go on from them, `held`); beside them each (sequence, quantized layer) keeps the f16 rows of its newest
 //! positions, `N − 1` of them between steps plus the rows being attended — what the queries at
 //! positions `start..start + n` see dense is `start + 1 − N ..= start + n − 1`.
 //! With `--kv-sinks S` the first `S` positions' rows are kept too, for good (attention sinks:
@@ -230,6 +231,16 @@ impl Tails {
             t.push_sinks(start, k, v, width, sinks);
         }
         t.push(start, k, v, width, keep);
+    }
+
+    /// Makes `tail` the copies of `id` in `layer` (imported ones: [`PagedKvCache::import_held`]).
+    pub(super) fn install(&self, id: SeqId, layer: usize, tail: Tail) {
+        let mut m = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        let layers = m.entry(id).or_default();
+        if layers.len() <= layer {
+            layers.resize_with(layer + 1, Tail::default);
+        }
+        layers[layer] = tail;
     }
 
     /// Drops the rows of `id` before position `from` in every layer.

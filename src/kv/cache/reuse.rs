@@ -23,20 +23,18 @@ impl PagedKvCache {
     /// [`Self::register_prefix`] stay in the pool, shared by reference count, after their
     /// sequences end, until the pool needs them (least recently used first). A windowed group
     /// caches the blocks its window still held when the prompt was registered, and a prefix is
-    /// reused only where every group holds what the next token can see. Not available with a
-    /// staging pool, whose blocks do not keep a prompt's rows.
+    /// reused only where every group holds what the next token can see. With `--kv-center` a
+    /// prefix comes with the key means its blocks were stored with (`center`). Not available
+    /// with a staging pool, whose blocks do not keep a prompt's rows, nor with `--kv-residual`:
+    /// the first token after a shared prefix attends the dense copies of the `N − 1` positions
+    /// before it, which the blocks do not hold (their sequences dropped them as they went on),
+    /// and prefilling a few positions again only moves that need onto theirs (`held`).
     pub fn enable_prefix_cache(&mut self) -> Result<()> {
         if self.cfg.residual > 0 {
             return Err(CacheError::Rows(
-                "prefix reuse shares quantized blocks, but --kv-residual keeps each sequence's \
-                 newest rows dense beside them: it cannot be combined with --kv-residual"
-                    .into(),
-            ));
-        }
-        if self.cfg.center {
-            return Err(CacheError::Rows(
-                "prefix reuse shares blocks between sequences, but --kv-center stores each \
-                 sequence's keys minus its own mean: it cannot be combined with --kv-center"
+                "prefix reuse shares quantized blocks, but under --kv-residual the first token \
+                 after a shared prefix attends the dense copies of the positions before it, \
+                 which the blocks do not keep: it cannot be combined with --kv-residual"
                     .into(),
             ));
         }
@@ -96,6 +94,14 @@ impl PagedKvCache {
         while m > 0 && !(0..self.groups.len()).all(|g| held(g, m)) {
             m -= 1;
         }
+        // Centred keys: the blocks mean something only with the means they were stored with.
+        let means = self
+            .groups
+            .iter()
+            .find_map(|g| g.prefix.as_ref().and_then(|p| p.side(tokens)).cloned());
+        if self.cfg.center && means.is_none() {
+            m = 0;
+        }
         let mut tables = Vec::with_capacity(self.groups.len());
         for (g, found) in self.groups.iter_mut().zip(present) {
             let f = from(g, m);
@@ -111,18 +117,33 @@ impl PagedKvCache {
         }
         s.tables = tables;
         s.len = m * bs;
-        Ok(s.len)
+        let len = s.len;
+        if let (true, Some(means)) = (m > 0 && self.cfg.center, means) {
+            self.take_prefix_means(id, &means);
+        }
+        Ok(len)
     }
 
     /// Offers the full blocks of `id` holding `tokens` (its first positions, all written) to
     /// the prefix cache (in a windowed group, those its window still holds); nothing without
-    /// prefix reuse.
+    /// prefix reuse. With `--kv-center`, only blocks whose key means came from a whole first
+    /// block, kept with them.
     pub fn register_prefix(&mut self, id: SeqId, tokens: &[u32]) -> Result<()> {
+        if self.groups.iter().all(|g| g.prefix.is_none()) {
+            return Ok(());
+        }
+        let means = match self.cfg.center {
+            true => match self.prefix_means(id) {
+                Some(m) => Some(m),
+                None => return Ok(()),
+            },
+            false => None,
+        };
         let s = self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))?;
         let n = tokens.len().min(s.len);
         for (g, table) in self.groups.iter_mut().zip(&s.tables) {
             if let Some(p) = g.prefix.as_mut() {
-                p.register(table, &tokens[..n]);
+                p.register_with(table, &tokens[..n], means.clone());
             }
         }
         Ok(())

@@ -213,3 +213,78 @@ fn the_same_cache_is_saved_as_the_same_bytes() {
     }
     PromptCacheFile::open(&dir.path().join("p3.safetensors")).unwrap();
 }
+
+/// Dense copies (`--kv-residual 4 --kv-sinks 2`) of a 9-token prompt in both layers.
+fn held_rows() -> crate::kv::cache::held::HeldRows {
+    use crate::kv::cache::held::{HeldLayer, HeldRows};
+    let t = |n: usize, at: f64| {
+        Tensor::arange(0f32, (n * 64) as f32, &Device::Cpu)
+            .unwrap()
+            .affine(0.01, at)
+            .unwrap()
+            .reshape((n, 64))
+            .unwrap()
+            .to_dtype(DType::F16)
+            .unwrap()
+    };
+    let layer = |l: f64| HeldLayer {
+        sink_k: t(2, l),
+        sink_v: t(2, l + 0.5),
+        window_k: t(3, -l),
+        window_v: t(3, -l - 0.5),
+    };
+    HeldRows {
+        residual: 4,
+        sinks: 2,
+        len: 9,
+        layers: vec![Some(layer(1.0)), Some(layer(2.0))],
+    }
+}
+
+/// A file saved with dense copies holds them as saved (its header says with what window), and
+/// a damaged copy is refused when the file is opened.
+#[test]
+fn dense_copies_round_trip_and_are_checksummed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.safetensors");
+    let rows = cache_with(q4(), 9).export_rows(0).unwrap();
+    let held = held_rows();
+    save_with(&path, &meta(q4(), 9), &rows, Some(&held)).unwrap();
+    let f = PromptCacheFile::open(&path).unwrap();
+    assert_eq!(
+        f.held_meta(),
+        HeldMeta {
+            residual: 4,
+            sinks: 2
+        }
+    );
+    let back = f.load_held(&Device::Cpu).unwrap().unwrap();
+    assert_eq!((back.residual, back.sinks, back.len), (4, 2, 9));
+    let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+    for (a, b) in back.layers.iter().zip(&held.layers) {
+        let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+        assert_eq!(bits(&a.sink_k), bits(&b.sink_k));
+        assert_eq!(bits(&a.sink_v), bits(&b.sink_v));
+        assert_eq!(bits(&a.window_k), bits(&b.window_k));
+        assert_eq!(bits(&a.window_v), bits(&b.window_v));
+    }
+    // Without copies: none, and the file is the one `save` writes.
+    let plain = dir.path().join("p.safetensors");
+    save(&plain, &meta(q4(), 9), &rows).unwrap();
+    let p = PromptCacheFile::open(&plain).unwrap();
+    assert_eq!(p.held_meta(), HeldMeta::default());
+    assert!(p.load_held(&Device::Cpu).unwrap().is_none());
+    // A copy of the wrong length is not saved.
+    let mut short = held.clone();
+    short.len = 8;
+    assert!(save_with(&path, &meta(q4(), 9), &rows, Some(&short)).is_err());
+    // One flipped byte in a window tensor's data: refused, naming the tensor.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = header["1.v.window"]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + at] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let e = PromptCacheFile::open(&path).unwrap_err().to_string();
+    assert!(e.contains("1.v.window is damaged"), "{e}");
+}

@@ -18,8 +18,11 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::ring_write::ring_write;
-use super::{Result, SeqId, WriteSpan};
+mod fixed;
+pub use fixed::FixedRow;
+
+use super::held::HeldLayer;
+use super::{CacheError, Result, SeqId, WriteSpan};
 use crate::kv::format::ops::SlotRows;
 use crate::kv::format::scatter::scatter_rows;
 
@@ -95,16 +98,6 @@ pub struct RingSeq {
     /// First position of this step's write (`u32::MAX`: none) and its first pending row.
     pub wstart: u32,
     pub woff: u32,
-}
-
-/// One row of a captured decode step: what its query reads (no fresh rows: `wstart` is none)
-/// and the pool rows its new row goes to — its ring row, and its sink row (the ring row again
-/// when it is no sink).
-#[derive(Debug, Clone, Copy)]
-pub struct FixedRow {
-    pub seq: RingSeq,
-    pub ring_row: u32,
-    pub sink_row: u32,
 }
 
 /// A layer's rings and pending rows, as the attention reads them (tensors share storage).
@@ -371,109 +364,112 @@ impl Rings {
         Some((view, seqs))
     }
 
-    /// How often the pools have moved (captured steps of an older count are stale).
-    pub(super) fn moved(&self) -> u64 {
-        self.lock().moved
-    }
-
-    /// Whether every sequence of `ids` has its slot (it was written eagerly before).
-    pub(super) fn has_slots(&self, ids: &[SeqId]) -> bool {
-        let st = self.lock();
-        ids.iter().all(|id| st.slots.contains_key(id))
-    }
-
-    /// A captured decode step of one new row per `(sequence, position)`: what each row's query
-    /// reads and where its row goes ([`FixedRow`]). It is what [`Rings::stage`] of that row
-    /// followed by [`Rings::view`] gives, except that the row is put into the rings before the
-    /// attention instead of after it — safe for one row: ring row `p mod R` held `p − R`, which
-    /// the query at `p` no longer sees. Every layer of a step holds the same positions, so the
-    /// first quantized layer answers for all. Whatever earlier writes left pending is committed
-    /// first. Errors for a sequence with no slot.
-    pub(super) fn fixed_rows(&self, rows: &[(SeqId, usize)]) -> Result<Vec<FixedRow>> {
-        let mut st = self.lock();
-        for l in 0..st.layers.len() {
-            self.commit_in(&mut st, l, None)?;
-            if let Some(Some(layer)) = st.layers.get_mut(l) {
-                layer.pending = None;
-            }
-        }
-        let first = st.layers.iter().position(Option::is_some).unwrap_or(0);
-        let per = self.sinks + self.ring;
-        rows.iter()
-            .map(|&(id, p)| {
-                let slot = st.slots.get(&id).copied().ok_or_else(|| {
-                    super::CacheError::Rows(format!("sequence {id} has no dense copies yet"))
-                })?;
-                let mut m = st
-                    .meta
-                    .get(&id)
-                    .and_then(|m| m.get(first))
-                    .copied()
-                    .unwrap_or_default();
-                let start = m.joined(p);
-                m.stage(p, 1, self.sinks);
-                let base = slot * per;
-                let ring_row = (base + self.sinks + p % self.ring) as u32;
-                Ok(FixedRow {
-                    seq: RingSeq {
-                        base: base as u32,
-                        start,
-                        end: p + 1,
-                        sinks: m.sinks,
-                        wstart: u32::MAX,
-                        woff: 0,
-                    },
-                    ring_row,
-                    sink_row: if p < m.sinks {
-                        (base + p) as u32
-                    } else {
-                        ring_row
-                    },
-                })
-            })
+    /// Pool rows of `id`'s slot holding its first `sinks` positions and positions `from..to`.
+    fn rows_of(&self, slot: usize, sinks: usize, (from, to): (usize, usize)) -> Vec<u32> {
+        let base = slot * (self.sinks + self.ring);
+        (0..sinks)
+            .map(|p| base + p)
+            .chain((from..to).map(|p| base + self.sinks + p % self.ring))
+            .map(|r| r as u32)
             .collect()
     }
 
-    /// Writes a captured step's new rows `k`, `v` (`[rows, width]`; keys minus `means` where
-    /// they are centred) of `layer` into its rings, row `i` at rows `ring[i]` and `sink[i]` (u32
-    /// on the device; equal when it is no sink), in one launch. Returns the keys as written,
-    /// for the pool's write.
-    pub(super) fn write_fixed(
+    /// `id`'s copies in `layer` of a sequence of `len` positions: its first `ns` sink rows and
+    /// the last `nw` positions' rows, on the host (see `held`).
+    pub(super) fn export(
         &self,
+        id: SeqId,
         layer: usize,
-        (ring, sink): (&Tensor, &Tensor),
-        means: Option<&Tensor>,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
-        let st = self.lock();
-        let Some(Some(l)) = st.layers.get(layer) else {
-            return Err(super::CacheError::Rows(format!(
-                "layer {layer} keeps no dense copies"
+        len: usize,
+        (ns, nw): (usize, usize),
+    ) -> Result<HeldLayer> {
+        let mut st = self.lock();
+        self.commit_in(&mut st, layer, Some(&[id]))?;
+        let m = st.meta.get(&id).and_then(|m| m.get(layer)).copied();
+        let (Some(&slot), Some(m), Some(Some(l))) = (st.slots.get(&id), m, st.layers.get(layer))
+        else {
+            return Err(CacheError::Rows(format!(
+                "sequence {id}, layer {layer}: no dense copies kept"
             )));
         };
-        Ok(ring_write((k, v), means, (&l.k, &l.v), (ring, sink))?)
+        // Intact: ring rows of `lo..hi` (at most the last R), sinks `0..sinks`.
+        if m.sinks < ns || m.hi != len || m.lo + nw > len || nw > self.ring {
+            return Err(CacheError::Rows(format!(
+                "sequence {id}, layer {layer}: dense copies of positions {}..{} and {} sinks \
+                 kept, {}..{len} and {ns} sinks wanted",
+                m.lo,
+                m.hi,
+                m.sinks,
+                len - nw
+            )));
+        }
+        let rows = self.rows_of(slot, ns, (len - nw, len));
+        let cpu = Device::Cpu;
+        let (k, v) = if rows.is_empty() {
+            let z = Tensor::zeros((0, self.width), DType::F16, &cpu)?;
+            (z.clone(), z)
+        } else {
+            let idx = Tensor::new(rows.as_slice(), &self.device)?;
+            (
+                l.k.index_select(&idx, 0)?.to_device(&cpu)?,
+                l.v.index_select(&idx, 0)?.to_device(&cpu)?,
+            )
+        };
+        Ok(HeldLayer {
+            sink_k: k.narrow(0, 0, ns)?,
+            sink_v: v.narrow(0, 0, ns)?,
+            window_k: k.narrow(0, ns, nw)?,
+            window_v: v.narrow(0, ns, nw)?,
+        })
     }
 
-    /// Books the rows a captured step wrote (one new row per `(sequence, position)`) as
-    /// [`Rings::stage`] and [`Rings::commit`] book an eager one, in every layer.
-    pub(super) fn fixed_done(&self, rows: &[(SeqId, usize)]) {
+    /// Makes `sinks` (`[s, width]` each, positions `0..s`) and `window` (the positions just
+    /// before `at`) `id`'s copies in `layer`, as if it had written them: rows in its slot, held.
+    pub(super) fn install(
+        &self,
+        id: SeqId,
+        layer: usize,
+        at: usize,
+        sinks: (&Tensor, &Tensor),
+        window: (&Tensor, &Tensor),
+    ) -> Result<()> {
         let mut st = self.lock();
-        let quantized: Vec<bool> = st.layers.iter().map(Option::is_some).collect();
-        for &(id, p) in rows {
-            let metas = st
-                .meta
-                .entry(id)
-                .or_insert_with(|| vec![Meta::default(); quantized.len()]);
-            for (m, &q) in metas.iter_mut().zip(&quantized) {
-                if !q {
-                    continue;
-                }
-                m.stage(p, 1, self.sinks);
-                // As `commit_in`: the next query sees the write's last R − 1 rows.
-                m.commit(p.max((p + 2).saturating_sub(self.ring)), p + 1, self.ring);
-            }
+        let slot = self.slot_of(&mut st, id)?;
+        let (ns, nw) = (sinks.0.dim(0)?, window.0.dim(0)?);
+        if ns > self.sinks || nw > self.ring || nw > at {
+            return Err(CacheError::Rows(format!(
+                "{ns} sink rows and {nw} window rows for {} sinks and a ring of {}",
+                self.sinks, self.ring
+            )));
         }
+        let rows = self.rows_of(slot, ns, (at - nw, at));
+        if let (false, Some(Some(l))) = (rows.is_empty(), st.layers.get(layer)) {
+            let to = SlotRows::new(rows);
+            // One of them may be empty (no sinks, or a sequence shorter than the sinks).
+            let up = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
+                let rows = match (a.dim(0)?, b.dim(0)?) {
+                    (0, _) => b.clone(),
+                    (_, 0) => a.clone(),
+                    _ => Tensor::cat(&[a, b], 0)?,
+                };
+                Ok(rows.to_device(&self.device)?)
+            };
+            scatter_rows(&l.k, &to, &up(sinks.0, window.0)?)?;
+            scatter_rows(&l.v, &to, &up(sinks.1, window.1)?)?;
+        }
+        let nl = st.layers.len();
+        let m = st
+            .meta
+            .entry(id)
+            .or_insert_with(|| vec![Meta::default(); nl]);
+        if let Some(m) = m.get_mut(layer) {
+            *m = Meta {
+                lo: at - nw,
+                hi: at,
+                sinks: ns,
+            };
+        }
+        Ok(())
     }
 
     pub(super) fn remove(&self, id: SeqId) {
@@ -487,94 +483,6 @@ impl Rings {
         }
         if let Some(s) = st.slots.remove(&id) {
             st.free.push(s);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Rows `[n, 4]` f16 on `dev` whose values name their position (`p + 0.25·j`).
-    fn rows(dev: &Device, start: usize, n: usize) -> Tensor {
-        let v: Vec<f32> = (start..start + n)
-            .flat_map(|p| (0..4).map(move |j| p as f32 + 0.25 * j as f32))
-            .collect();
-        Tensor::from_vec(v, (n, 4), dev)
-            .unwrap()
-            .to_dtype(DType::F16)
-            .unwrap()
-    }
-
-    /// The copies' rows the meta of `id` declares intact (sinks, then `lo..hi`), by position.
-    fn intact(r: &Rings, id: SeqId) -> (Meta, Vec<Vec<f32>>) {
-        let st = r.lock();
-        let m = st.meta[&id][0];
-        let base = st.slots[&id] * (r.sinks + r.ring);
-        let k: Vec<Vec<f32>> = st.layers[0]
-            .as_ref()
-            .unwrap()
-            .k
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
-        let got = (0..m.sinks)
-            .map(|p| k[base + p].clone())
-            .chain((m.lo..m.hi).map(|p| k[base + r.sinks + p % r.ring].clone()))
-            .collect();
-        (m, got)
-    }
-
-    #[test]
-    fn cuda_a_captured_step_reads_and_books_what_an_eager_step_does() {
-        let dev = Device::new_cuda(0).expect("a CUDA device");
-        // Prompts shorter than the sinks, between sinks and ring, and longer than both.
-        for (prompt, ring) in [(2, 8), (6, 8), (30, 8), (9, 1), (3, 2)] {
-            let (eager, fixed) = (
-                Rings::new(&[true], 4, ring, 4, &dev).unwrap(),
-                Rings::new(&[true], 4, ring, 4, &dev).unwrap(),
-            );
-            let x = rows(&dev, 0, prompt);
-            for r in [&eager, &fixed] {
-                r.stage(0, &[(7, 0, 0, prompt)], &x, &x).unwrap();
-                r.commit(0, Some(&[7])).unwrap();
-            }
-            for p in prompt..prompt + 12 {
-                // Keys centred by a mean of 0.3 on odd steps, as the eager write subtracts it.
-                let shift = if p % 2 == 1 { 0.3 } else { 0.0 };
-                let x = rows(&dev, p, 1);
-                let mu = Tensor::new(&[[shift; 4]], &dev)
-                    .unwrap()
-                    .to_dtype(DType::F16)
-                    .unwrap();
-                let centred = (&x - &mu).unwrap();
-                eager.stage(0, &[(7, p, 0, 1)], &centred, &x).unwrap();
-                let (_, seqs) = eager.view(0, &[7]).unwrap();
-                eager.commit(0, Some(&[7])).unwrap();
-
-                let got = fixed.fixed_rows(&[(7, p)]).unwrap()[0];
-                let want = RingSeq {
-                    wstart: u32::MAX,
-                    woff: 0,
-                    ..seqs[0]
-                };
-                let case = (prompt, ring, p);
-                assert_eq!(format!("{:?}", got.seq), format!("{want:?}"), "{case:?}");
-                let to = |r: u32| Tensor::new(&[r], &dev).unwrap();
-                let means = (shift > 0.0).then_some(&mu);
-                let k = fixed
-                    .write_fixed(0, (&to(got.ring_row), &to(got.sink_row)), means, &x, &x)
-                    .unwrap();
-                fixed.fixed_done(&[(7, p)]);
-                let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
-                assert_eq!(bits(&k), bits(&centred), "{case:?}: the keys as written");
-                let (me, re) = intact(&eager, 7);
-                let (mf, rf) = intact(&fixed, 7);
-                assert_eq!(me, mf, "{case:?}: booked positions");
-                assert_eq!(re, rf, "{case:?}: their rows");
-                assert_eq!(me.sinks, 4.min(p + 1), "{case:?}: sinks kept");
-            }
         }
     }
 }

@@ -166,7 +166,7 @@ impl PagedKvCache {
                     .iter()
                     .map(|id| {
                         map.get(id)
-                            .and_then(|m| m.get(l).cloned().flatten())
+                            .and_then(|m| m.layers.get(l).cloned().flatten())
                             .ok_or_else(|| {
                                 CacheError::Rows(format!(
                                     "sequence {id} has no key mean in layer {l} yet"
@@ -186,7 +186,8 @@ impl PagedKvCache {
         let map = self.centers.map();
         ids.iter().all(|id| {
             map.get(id).is_some_and(|m| {
-                m.iter()
+                m.layers
+                    .iter()
                     .enumerate()
                     .all(|(l, mu)| mu.is_some() || !self.centers_keys(l))
             })

@@ -19,12 +19,12 @@ pub struct FixedRow {
 
 impl Rings {
     /// How often the pools have moved (captured steps of an older count are stale).
-    pub(super) fn moved(&self) -> u64 {
+    pub(in crate::kv::cache) fn moved(&self) -> u64 {
         self.lock().moved
     }
 
     /// Whether every sequence of `ids` has its slot (it was written eagerly before).
-    pub(super) fn has_slots(&self, ids: &[SeqId]) -> bool {
+    pub(in crate::kv::cache) fn has_slots(&self, ids: &[SeqId]) -> bool {
         let st = self.lock();
         ids.iter().all(|id| st.slots.contains_key(id))
     }
@@ -36,7 +36,7 @@ impl Rings {
     /// the query at `p` no longer sees. Every layer of a step holds the same positions, so the
     /// first quantized layer answers for all. Whatever earlier writes left pending is committed
     /// first. Errors for a sequence with no slot.
-    pub(super) fn fixed_rows(&self, rows: &[(SeqId, usize)]) -> Result<Vec<FixedRow>> {
+    pub(in crate::kv::cache) fn fixed_rows(&self, rows: &[(SeqId, usize)]) -> Result<Vec<FixedRow>> {
         let mut st = self.lock();
         for l in 0..st.layers.len() {
             self.commit_in(&mut st, l, None)?;
@@ -85,7 +85,7 @@ impl Rings {
     /// they are centred) of `layer` into its rings, row `i` at rows `ring[i]` and `sink[i]` (u32
     /// on the device; equal when it is no sink), in one launch. Returns the keys as written,
     /// for the pool's write.
-    pub(super) fn write_fixed(
+    pub(in crate::kv::cache) fn write_fixed(
         &self,
         layer: usize,
         (ring, sink): (&Tensor, &Tensor),
@@ -104,7 +104,7 @@ impl Rings {
 
     /// Books the rows a captured step wrote (one new row per `(sequence, position)`) as
     /// [`Rings::stage`] and [`Rings::commit`] book an eager one, in every layer.
-    pub(super) fn fixed_done(&self, rows: &[(SeqId, usize)]) {
+    pub(in crate::kv::cache) fn fixed_done(&self, rows: &[(SeqId, usize)]) {
         let mut st = self.lock();
         let quantized: Vec<bool> = st.layers.iter().map(Option::is_some).collect();
         for &(id, p) in rows {

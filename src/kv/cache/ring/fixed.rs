@@ -36,7 +36,10 @@ impl Rings {
     /// the query at `p` no longer sees. Every layer of a step holds the same positions, so the
     /// first quantized layer answers for all. Whatever earlier writes left pending is committed
     /// first. Errors for a sequence with no slot.
-    pub(in crate::kv::cache) fn fixed_rows(&self, rows: &[(SeqId, usize)]) -> Result<Vec<FixedRow>> {
+    pub(in crate::kv::cache) fn fixed_rows(
+        &self,
+        rows: &[(SeqId, usize)],
+    ) -> Result<Vec<FixedRow>> {
         let mut st = self.lock();
         for l in 0..st.layers.len() {
             self.commit_in(&mut st, l, None)?;

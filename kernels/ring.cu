@@ -1,9 +1,9 @@
 // kvq: the residual window's rows of a captured decode step (src/kv/cache/ring_write.rs).
 //
-// ring_write_T: grid (rows), one block per new row. Row i of k (minus row i of `means` when
-// given, in T arithmetic as candle's subtraction: the centred key the pool stores) is written to
-// `k_out` and, as f16 (rounded as candle's cast), to ring rows ring[i] and sink[i] of ring_k;
-// row i of v the same to ring_v. sink[i] == ring[i] for a row that is no sink (one write).
+// ring_write_T: grid (rows), one block per new row. Row i of k — minus row i of `means` when
+// given, in T arithmetic as candle's subtraction (the centred key the pool stores, then also
+// written to `k_out`) — goes as f16 (rounded as candle's cast) to rows ring[i] and sink[i] of
+// ring_k; row i of v the same to ring_v. sink[i] == ring[i] for a row that is no sink (one write).
 // It replaces a subtraction and four scatters per layer in a replayed step.
 #include "common.cuh"
 
@@ -19,8 +19,10 @@ __device__ __forceinline__ void ring_write(const T* __restrict__ k, const T* __r
     const T* vr = v + i * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         T kc = kr[c];
-        if (means != nullptr) kc = kc - means[i * width + c];
-        k_out[i * width + c] = kc;
+        if (means != nullptr) {
+            kc = kc - means[i * width + c];
+            k_out[i * width + c] = kc;
+        }
         const __half hk = __float2half(to_f(kc)), hv = __float2half(to_f(vr[c]));
         ring_k[r * width + c] = hk;
         ring_v[r * width + c] = hv;

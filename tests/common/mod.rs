@@ -154,3 +154,15 @@ pub fn random_corpus_prompts(seed: u64, count: usize) -> Vec<Vec<u32>> {
     }
     prompts
 }
+
+/// The recommended window setting (K4/V3, dense newest positions and sinks, centred keys) with
+/// an 8-position window, which short test prompts cross.
+pub const SMALL_WINDOW: &[&str] = &[
+    "--kv-bits",
+    "3.5",
+    "--kv-residual",
+    "8",
+    "--kv-sinks",
+    "4",
+    "--kv-center",
+];

@@ -414,24 +414,16 @@ fn the_same_prompt_is_saved_as_the_same_bytes_by_every_run() {
 #[test]
 fn kv_window_prompt_files_start_runs_exactly() {
     let dir = tempfile::tempdir().unwrap();
-    let kv = [
-        "--kv-bits",
-        "3.5",
-        "--kv-residual",
-        "8",
-        "--kv-sinks",
-        "4",
-        "--kv-center",
-    ];
-    let (file, saved) = save(dir.path(), "w.safetensors", SHORT_B, &kv);
+    let kv = SMALL_WINDOW;
+    let (file, saved) = save(dir.path(), "w.safetensors", SHORT_B, kv);
     assert!(saved.len() >= 16, "{} tokens", saved.len());
     let mut with = kv.to_vec();
     with.extend(["--prompt-cache", file.to_str().unwrap()]);
-    let fresh = generate(LONG_B, 24, &kv);
+    let fresh = generate(LONG_B, 24, kv);
     let cached = generate(LONG_B, 24, &with);
     assert_eq!(cached["stats"]["cached_tokens"], saved.len());
     assert_eq!(ids(&cached["tokens"]), ids(&fresh["tokens"]));
-    let (fresh_file, _) = save(dir.path(), "fresh.safetensors", LONG_B, &kv);
+    let (fresh_file, _) = save(dir.path(), "fresh.safetensors", LONG_B, kv);
     let (from_file, _) = save(dir.path(), "from.safetensors", LONG_B, &with);
     let bytes = |p: &Path| std::fs::read(p).unwrap();
     assert!(

@@ -94,21 +94,13 @@ fn shared_prefix_reuse_kv_center() {
 /// are those of a server without reuse.
 #[test]
 fn no_prefix_reuse_under_kv_residual() {
-    let flags = [
-        "--kv-bits",
-        "3.5",
-        "--kv-residual",
-        "8",
-        "--kv-sinks",
-        "4",
-        "--kv-center",
-    ];
+    let flags = SMALL_WINDOW;
     let a: Vec<u32> = [corpus_ids(0, 64), corpus_ids(5000, 8)].concat();
     let b: Vec<u32> = [corpus_ids(0, 64), corpus_ids(9000, 8)].concat();
-    let cold = Server::start(&[&flags[..], &["--no-prefix-cache"]].concat());
+    let cold = Server::start(&[flags, &["--no-prefix-cache"]].concat());
     let (want, _) = complete(&cold, &b);
     drop(cold);
-    let s = Server::start(&flags);
+    let s = Server::start(flags);
     complete(&s, &a);
     let (got, usage) = complete(&s, &b);
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);

@@ -213,7 +213,6 @@ impl FixedStep {
         if let Some((means, of)) = self.means.as_mut() {
             if *of != padded {
                 let m = cache.fixed_means(&padded).map_err(cache_err)?;
-                let m = m.ok_or_else(|| err("no key means".into()))?;
                 means.slice_set(&m.to_dtype(means.dtype())?, 0, 0)?;
                 *of = padded;
             }

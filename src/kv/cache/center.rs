@@ -151,10 +151,11 @@ impl PagedKvCache {
         Ok(())
     }
 
-    /// The key means of the sequences `ids` (one per row of a captured decode step), per layer:
-    /// `[layers, rows, width]` f32, zeros in layers that keep keys as they are. Errors for a
-    /// sequence with no mean yet in a centred layer (it has not been written eagerly).
-    pub(super) fn step_means(&self, ids: &[SeqId]) -> Result<Tensor> {
+    /// The key means a captured decode step of the sequences `ids` (one per row) subtracts,
+    /// per layer: `[layers, rows, width]` f32, zeros in layers that keep keys as they are.
+    /// Errors for a sequence with no mean yet in a centred layer (it has not been written
+    /// eagerly).
+    pub fn fixed_means(&self, ids: &[SeqId]) -> Result<Tensor> {
         let map = self.centers.map();
         let width = self.cfg.width();
         let layers = (0..self.cfg.num_layers)

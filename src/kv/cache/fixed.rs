@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::{CacheError, PagedKvCache, Result, SeqId};
+#[cfg(feature = "cuda")]
+use super::SeqId;
+use super::{CacheError, PagedKvCache, Result};
 use crate::kv::format::{LayerKv, SlotRows};
 
 /// Where a captured decode step's rows go, on the device (`kv::attend::FixedStep` fills them).
@@ -112,12 +114,6 @@ impl PagedKvCache {
             None => self.cfg.residual == 0,
         };
         rings && (!self.cfg.center || self.has_means(ids))
-    }
-
-    /// The key means a captured step of the sequences `ids` (one per row) subtracts
-    /// (`[layers, rows, width]` f32), when keys are centred.
-    pub fn fixed_means(&self, ids: &[SeqId]) -> Result<Option<Tensor>> {
-        self.cfg.center.then(|| self.step_means(ids)).transpose()
     }
 
     /// The K and V pools of `layer` in the main pool when they are dense rows of `dtype`

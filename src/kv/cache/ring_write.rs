@@ -18,7 +18,7 @@ fn err(msg: String) -> candle_core::Error {
 
 /// Writes rows `k`, `v` (`[rows, width]`, one dtype; `k` minus `means` of the same shape when
 /// given) into the f16 pools `ring_k`, `ring_v` at rows `ring[i]` and `sink[i]` (u32 `[rows]`;
-/// equal for a row that is no sink). Returns the keys as written.
+/// equal for a row that is no sink). Returns the keys as written (`k` itself without means).
 pub(super) fn ring_write(
     (k, v): (&Tensor, &Tensor),
     means: Option<&Tensor>,
@@ -76,21 +76,23 @@ pub(super) fn ring_write(
         ($t:ty) => {{
             let (kv, vv) = (view::<$t>(&ks, kl)?, view::<$t>(&vs, vl)?);
             let mv = ms.as_ref().map(|(s, l)| view::<$t>(s, l)).transpose()?;
-            let out = unsafe { dev.alloc::<$t>(rows * width)? };
+            // The centred keys, when there are means to subtract.
+            let out = match mv {
+                Some(_) => Some(unsafe { dev.alloc::<$t>(rows * width)? }),
+                None => None,
+            };
             let mut b = f.builder();
             b.arg(&kv).arg(&vv);
-            match &mv {
-                Some(m) => b.arg(m),
-                None => b.arg(&0u64),
+            match (&mv, &out) {
+                (Some(m), Some(o)) => b.arg(m).arg(o),
+                _ => b.arg(&0u64).arg(&0u64),
             };
-            b.arg(&out)
-                .arg(&pk)
-                .arg(&pv)
-                .arg(&rv)
-                .arg(&sv)
-                .arg(&width_i);
+            b.arg(&pk).arg(&pv).arg(&rv).arg(&sv).arg(&width_i);
             unsafe { b.launch(cfg) }.w()?;
-            wrap(out, &dev, (rows, width))
+            match out {
+                Some(o) => wrap(o, &dev, (rows, width)),
+                None => k.clone(),
+            }
         }};
     }
     Ok(match k.dtype() {

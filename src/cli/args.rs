@@ -356,8 +356,7 @@ pub struct KvArgs {
     /// through f16 copies of their K/V rows, older ones through the quantized rows (which are
     /// still written for every token). Where quantization error costs most — a query weighs
     /// its recent tokens heavily: on the default model N = 64 cuts 4-bit's KL divergence ~5x —
-    /// for N f16 rows per sequence and layer. CPU and CUDA (there without CUDA graphs). Needs
-    /// --kv-bits; 0 = off.
+    /// for N f16 rows per sequence and layer. CPU and CUDA. Needs --kv-bits; 0 = off.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub kv_residual: usize,
 
@@ -371,8 +370,8 @@ pub struct KvArgs {
     /// block, per layer): the offset every key shares stops taking up the quantization range,
     /// and attention is unchanged (softmax ignores a shift common to a query's scores). On the
     /// default model it cuts 4-bit's KL divergence by ~15%. Needs --kv-bits; prompt-cache files
-    /// keep the means (use a file saved with it only with it); not with prefix reuse,
-    /// --quantized-kv-start or soft-capped models.
+    /// keep the means (use a file saved with it only with it); not with --quantized-kv-start or
+    /// soft-capped models.
     #[arg(long)]
     pub kv_center: bool,
 

@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod batch_io;
+pub mod chunks;
 pub mod detok;
 pub mod device_greedy;
 #[cfg(feature = "cuda")]

@@ -14,13 +14,15 @@
 //! joins a running batch like any other request. With the cache's automatic prefix reuse on
 //! ([`PagedKvCache::enable_prefix_cache`]), a request starts on the cached blocks that hold
 //! the longest whole-block prefix of its prompt and prefills only the rest; every prompt's full
-//! blocks are offered to that cache once prefilled. A request marked with
+//! blocks are offered to that cache once prefilled (under `--kv-residual`, also once at the
+//! prompt's stop point, with the dense copies held there: `chunks`). A request marked with
 //! [`Engine::keep_prompt_kv`] has its prompt's rows exported the moment its prefill completes.
 
 use anyhow::{bail, Result};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
+use super::chunks::chunk_take;
 use super::device_greedy::{greedy_picks, is_plain_greedy, nan_error};
 use super::request::{CachedPrefix, Event, FinishReason, Request};
 use super::sampler::Sampler;
@@ -58,6 +60,9 @@ struct Running {
     history: Vec<u32>,
     /// Prompt tokens already in the cache.
     prefilled: usize,
+    /// A block boundary the prefill ends a step on, to offer the prefix there with what the
+    /// cache keeps for it (`--kv-residual`: `chunks`).
+    point: Option<usize>,
     generated: usize,
     /// Most main-pool blocks this request may own at once per layer group (its admission
     /// promise).
@@ -298,7 +303,7 @@ impl<'m> Engine<'m> {
                     p.tokens
                 }
                 // Leave two tokens to prefill: a lone token would take the decode path, whose
-                // rounding differs (see `prefill_take`).
+                // rounding differs (see `chunks::prefill_take`).
                 None => {
                     let max = req.prompt.len().saturating_sub(2);
                     let n = match self.cache.attach_prefix(id, &req.prompt, max) {
@@ -317,11 +322,16 @@ impl<'m> Engine<'m> {
                 }
             };
             let lifetime_blocks = self.lifetime_blocks(&req, keep);
+            let point = self
+                .cache
+                .prefix_point(req.prompt.len().saturating_sub(2))
+                .filter(|&p| p > prefilled);
             self.running.push(Running {
                 id,
                 sampler: Sampler::new(req.params.clone()),
                 history: req.prompt.clone(),
                 prefilled,
+                point,
                 generated: 0,
                 lifetime_blocks,
                 req,
@@ -388,8 +398,10 @@ impl<'m> Engine<'m> {
         let mut budget = self.cfg.prefill_chunk;
         for (i, r) in self.running.iter().enumerate() {
             if r.prefilled < r.req.prompt.len() && budget > 0 {
-                let n = prefill_take(
-                    r.req.prompt.len() - r.prefilled,
+                let n = chunk_take(
+                    r.req.prompt.len(),
+                    r.prefilled,
+                    r.point,
                     budget,
                     self.cfg.prefill_chunk,
                 );
@@ -427,6 +439,10 @@ impl<'m> Engine<'m> {
             let n = inp.tokens.len();
             if r.prefilled < r.req.prompt.len() {
                 r.prefilled += n;
+                if r.point == Some(r.prefilled) {
+                    self.cache
+                        .register_prefix(r.id, &r.req.prompt[..r.prefilled])?;
+                }
                 if r.prefilled < r.req.prompt.len() {
                     continue; // mid-prompt chunk: its logits are not a prediction we use
                 }
@@ -515,61 +531,5 @@ impl Engine<'_> {
         } else {
             StepOut::Rows(logits.to_vec2()?)
         })
-    }
-}
-
-/// Prompt tokens of a request to prefill in this step, `left` still to go and `budget` free.
-/// As many as fit, except that a prompt longer than one token never gets a one-token chunk nor
-/// is left with a one-token rest: a lone new token takes the decode kernel, whose rounding
-/// differs from the prefill path that the same token takes when the prompt runs alone, so a
-/// prompt's K/V would depend on how the batch happened to split it. With a total chunk of
-/// fewer than 3 tokens this cannot be kept (it would stall) and plain splitting applies.
-fn prefill_take(left: usize, budget: usize, chunk: usize) -> usize {
-    if left <= budget || chunk < 3 {
-        return left.min(budget);
-    }
-    let n = if left - budget == 1 {
-        budget - 1
-    } else {
-        budget
-    };
-    if n < 2 {
-        0
-    } else {
-        n
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::prefill_take;
-
-    #[test]
-    fn prompt_chunks_are_never_single_tokens() {
-        assert_eq!(prefill_take(10, 64, 64), 10);
-        assert_eq!(prefill_take(1, 64, 64), 1); // a one-token prompt
-        assert_eq!(prefill_take(100, 32, 32), 32);
-        assert_eq!(prefill_take(33, 32, 32), 31); // not 32, which would leave 1
-        assert_eq!(prefill_take(40, 1, 32), 0); // wait for a step with room
-        assert_eq!(prefill_take(3, 2, 32), 0); // 2 would leave 1, 1 is alone
-        assert_eq!(prefill_take(5, 3, 32), 3);
-        // Every split of any prompt under any budget is made of chunks of ≥ 2 tokens.
-        for len in 2..80 {
-            for first_budget in 0..40 {
-                let (mut left, mut budget) = (len, first_budget);
-                let mut steps = 0;
-                while left > 0 {
-                    let n = prefill_take(left, budget, 32);
-                    assert!(n != 1, "len {len}: a one-token chunk");
-                    left -= n;
-                    budget = 32;
-                    steps += 1;
-                    assert!(steps < 100);
-                }
-            }
-        }
-        // Tiny chunks cannot avoid it; they still make progress.
-        assert_eq!(prefill_take(3, 2, 2), 2);
-        assert_eq!(prefill_take(3, 1, 1), 1);
     }
 }

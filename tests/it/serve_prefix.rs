@@ -1,6 +1,7 @@
 //! Automatic prefix reuse in `kvq serve`: a request sharing a 1,000-token prefix with an
 //! earlier one prefills only the rest (usage reports the cached tokens) and gets the same
-//! tokens as a server without reuse, with a dense, a 4-bit and a centred 3.5-bit cache.
+//! tokens as a server without reuse, with a dense, a 4-bit and a centred 3.5-bit cache, and
+//! under the dense window (`--kv-residual`) where copies were kept.
 
 use crate::common::server::*;
 use crate::common::*;
@@ -89,23 +90,43 @@ fn shared_prefix_reuse_kv_center() {
     shared_prefix_reuse(&["--kv-bits", "3.5", "--kv-center"]);
 }
 
-/// Under `--kv-residual` nothing is reused (the first token after a shared prefix would attend
-/// the dense copies of the positions before it, which shared blocks do not keep), and answers
-/// are those of a server without reuse.
+/// Under `--kv-residual` the first token after a shared prefix attends the dense copies of the
+/// positions before it, which shared blocks do not keep: a prompt stops its prefill once at its
+/// last whole block short of its final two tokens and keeps its copies there, and a later prompt
+/// is reused up to such a point only. Every answer is that of a server without reuse.
 #[test]
-fn no_prefix_reuse_under_kv_residual() {
+fn shared_prefix_reuse_under_kv_residual() {
     let flags = SMALL_WINDOW;
+    // 72 tokens: copies kept at 64.
     let a: Vec<u32> = [corpus_ids(0, 64), corpus_ids(5000, 8)].concat();
     let b: Vec<u32> = [corpus_ids(0, 64), corpus_ids(9000, 8)].concat();
+    // Shares two whole blocks with a, where a kept no copies.
+    let c: Vec<u32> = [corpus_ids(0, 40), corpus_ids(7000, 30)].concat();
+    // A second turn after a: a's prompt and more.
+    let d: Vec<u32> = [&a[..], &corpus_ids(12000, 20)].concat();
     let cold = Server::start(&[flags, &["--no-prefix-cache"]].concat());
-    let (want, _) = complete(&cold, &b);
+    let want: Vec<String> = [&a, &b, &c, &d]
+        .iter()
+        .map(|p| complete(&cold, p).0)
+        .collect();
     drop(cold);
     let s = Server::start(flags);
-    complete(&s, &a);
-    let (got, usage) = complete(&s, &b);
-    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
-    assert_eq!(got, want);
-    assert_eq!(s.metric("kvq_prefix_cache_hits_total"), 0.0);
+    for (prompt, want, cached) in [
+        (&a, &want[0], 0),
+        (&b, &want[1], 64),
+        (&c, &want[2], 0),
+        (&a, &want[0], 64),
+        (&d, &want[3], 64),
+    ] {
+        let (got, usage) = complete(&s, prompt);
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"], cached,
+            "{usage}"
+        );
+        assert_eq!(&got, want, "same tokens with and without reuse");
+    }
+    assert_eq!(s.metric("kvq_prefix_cache_hits_total"), 3.0);
+    s.assert_no_leak();
 }
 
 /// A pool too small to keep every prompt: cached prefixes are evicted least recently used, the

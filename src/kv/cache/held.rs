@@ -325,6 +325,46 @@ mod tests {
         round_trip_on(&Device::new_cuda(0).expect("a CUDA device"));
     }
 
+    /// Prefix reuse under the window: a prefix is reused only up to a block boundary where its
+    /// sequence kept its copies, and a sequence started there holds what the first one held at
+    /// that point, and goes on alike.
+    fn prefix_reuse_keeps_copies_on(dev: &Device) {
+        let mut c = cache_on(dev);
+        c.enable_prefix_cache().unwrap();
+        let tokens: Vec<u32> = (100..130).collect();
+        c.add_sequence(1).unwrap();
+        assert_eq!(c.prefix_point(12), Some(12));
+        fill(&mut c, 1, (0, 8), 3);
+        c.register_prefix(1, &tokens[..8]).unwrap(); // a block boundary: copies kept
+        let at8 = values(&c.export_held(1).unwrap().unwrap());
+        fill(&mut c, 1, (8, 14), 3);
+        c.register_prefix(1, &tokens[..14]).unwrap(); // mid-block: blocks only
+        let at14 = values(&c.export_held(1).unwrap().unwrap());
+        c.remove_sequence(1);
+        // Three whole blocks are cached, but copies only at the end of the second.
+        c.add_sequence(2).unwrap();
+        assert_eq!(c.attach_prefix(2, &tokens, 28).unwrap(), 8);
+        assert_eq!(values(&c.export_held(2).unwrap().unwrap()), at8);
+        fill(&mut c, 2, (8, 14), 2);
+        assert_eq!(values(&c.export_held(2).unwrap().unwrap()), at14);
+        // Another second block: the first block alone kept no copies, nothing is reused.
+        let mut other = tokens.clone();
+        other[5] = 7;
+        c.add_sequence(3).unwrap();
+        assert_eq!(c.attach_prefix(3, &other, 28).unwrap(), 0);
+    }
+
+    #[test]
+    fn prefix_reuse_keeps_copies_cpu() {
+        prefix_reuse_keeps_copies_on(&Device::Cpu);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn prefix_reuse_keeps_copies_cuda() {
+        prefix_reuse_keeps_copies_on(&Device::new_cuda(0).expect("a CUDA device"));
+    }
+
     /// A sequence shorter than the window holds all its positions: any start within it works,
     /// and a start inside the sinks takes only the sinks it has reached.
     #[test]

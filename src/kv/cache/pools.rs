@@ -4,6 +4,7 @@
 use candle_core::Device;
 
 use super::center::KeyMeans;
+use super::held::HeldRows;
 use super::prefix::PrefixIndex;
 use super::{CacheError, Pool, Result};
 use crate::kv::format::{KvFormat, LayerKv};
@@ -53,8 +54,10 @@ pub(super) struct GroupPools {
     pub(super) main: BlockPool,
     pub(super) staging: Option<BlockPool>,
     /// Automatic prefix reuse of main-pool blocks (see [`prefix`]), when enabled; with
-    /// `--kv-center`, each first block keeps the key means its prefixes were stored with.
-    pub(super) prefix: Option<PrefixIndex<KeyMeans>>,
+    /// `--kv-center`, each first block keeps the key means its prefixes were stored with; with
+    /// `--kv-residual`, a prefix's last block may keep the dense copies a sequence starting
+    /// after it needs.
+    pub(super) prefix: Option<PrefixIndex<KeyMeans, HeldRows>>,
 }
 
 impl GroupPools {

@@ -13,7 +13,11 @@
 //!
 //! What the cache keeps per *first block* (`S`: `--kv-center`'s key means, a function of that
 //! block's tokens) lives beside the entries of the prefixes starting with it, and goes with the
-//! last of them to be evicted.
+//! last of them to be evicted. What it keeps at a prefix's *end* (`E`: `--kv-residual`'s dense
+//! copies of the positions before that block boundary, which a sequence starting there needs)
+//! lives with that prefix's last entry, goes when it is evicted, and is bounded on its own: at
+//! most `max_ends` are kept, the least recently used dropped first (they are large, and outside
+//! the pool's blocks).
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
@@ -47,7 +51,7 @@ struct Root<S> {
 }
 
 /// Book-keeping of shared, cached blocks of one pool.
-pub struct PrefixIndex<S = ()> {
+pub struct PrefixIndex<S = (), E = ()> {
     block_size: usize,
     refs: Vec<u32>,
     /// Key of each registered block.
@@ -58,9 +62,14 @@ pub struct PrefixIndex<S = ()> {
     last_use: Vec<u64>,
     clock: u64,
     roots: HashMap<u64, Root<S>>,
+    /// What is kept at the end of a prefix, by the key of its last block, with the clock of
+    /// its last use; `end_use` orders them (oldest first).
+    ends: HashMap<u64, (E, u64)>,
+    end_use: BTreeMap<u64, u64>,
+    max_ends: usize,
 }
 
-impl<S> PrefixIndex<S> {
+impl<S, E> PrefixIndex<S, E> {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         Self {
             block_size,
@@ -71,7 +80,16 @@ impl<S> PrefixIndex<S> {
             last_use: vec![0; num_blocks],
             clock: 0,
             roots: HashMap::new(),
+            ends: HashMap::new(),
+            end_use: BTreeMap::new(),
+            max_ends: 0,
         }
+    }
+
+    /// Keeps at most `n` ends (see [`Self::keep_end`]); 0 (the default) keeps none.
+    pub fn with_max_ends(mut self, n: usize) -> Self {
+        self.max_ends = n;
+        self
     }
 
     /// Blocks nobody holds that still hold a cached prefix (free for the taking).
@@ -108,10 +126,11 @@ impl<S> PrefixIndex<S> {
     /// Takes the least recently used parked block out of the index, for reuse as a fresh one.
     pub fn evict(&mut self) -> Option<u32> {
         let (_, block) = self.lru.pop_first()?;
-        if let Some(e) = self.key[block as usize]
-            .take()
-            .and_then(|k| self.entries.remove(&k))
-        {
+        let key = self.key[block as usize].take();
+        if let Some(k) = key {
+            self.drop_end(k);
+        }
+        if let Some(e) = key.and_then(|k| self.entries.remove(&k)) {
             if let Some(r) = self.roots.get_mut(&e.root) {
                 r.entries -= 1;
                 if r.entries == 0 {
@@ -235,6 +254,69 @@ impl<S> PrefixIndex<S> {
         (r.tokens == first).then_some(r.side.as_ref()).flatten()
     }
 
+    /// The key of the prefix made of the first `blocks` full blocks of `tokens`, if its last
+    /// block is registered (a windowed group need not hold the ones before).
+    fn key_of(&self, tokens: &[u32], blocks: usize) -> Option<u64> {
+        if blocks == 0 || tokens.len() < blocks * self.block_size {
+            return None;
+        }
+        let mut parent = ROOT;
+        let chunks: Vec<&[u32]> = tokens.chunks_exact(self.block_size).take(blocks).collect();
+        for chunk in &chunks[..blocks - 1] {
+            parent = chain(parent, chunk);
+        }
+        let last = chunks[blocks - 1];
+        let k = chain(parent, last);
+        let e = self.entries.get(&k)?;
+        (e.parent == parent && e.tokens == last).then_some(k)
+    }
+
+    /// Keeps `end` with the registered prefix made of the first `blocks` full blocks of
+    /// `tokens`, for as long as its last block is cached (unless something is kept there
+    /// already, or that prefix is not registered); beyond `max_ends` the least recently used
+    /// end is dropped.
+    pub fn keep_end(&mut self, tokens: &[u32], blocks: usize, end: E) {
+        let Some(k) = self.key_of(tokens, blocks) else {
+            return;
+        };
+        if self.max_ends == 0 || self.ends.contains_key(&k) {
+            return;
+        }
+        if self.ends.len() >= self.max_ends {
+            if let Some((_, old)) = self.end_use.pop_first() {
+                self.ends.remove(&old);
+            }
+        }
+        self.clock += 1;
+        self.end_use.insert(self.clock, k);
+        self.ends.insert(k, (end, self.clock));
+    }
+
+    /// What is kept at the end of the prefix made of the first `blocks` full blocks of
+    /// `tokens` (see [`Self::keep_end`]), marked as used now.
+    pub fn end(&mut self, tokens: &[u32], blocks: usize) -> Option<&E> {
+        let k = self.key_of(tokens, blocks)?;
+        let (_, used) = self.ends.get(&k)?;
+        self.end_use.remove(used);
+        self.clock += 1;
+        self.end_use.insert(self.clock, k);
+        let e = self.ends.get_mut(&k)?;
+        e.1 = self.clock;
+        Some(&e.0)
+    }
+
+    /// Whether something is kept at the end of the first `blocks` full blocks of `tokens`.
+    pub fn has_end(&self, tokens: &[u32], blocks: usize) -> bool {
+        self.key_of(tokens, blocks)
+            .is_some_and(|k| self.ends.contains_key(&k))
+    }
+
+    fn drop_end(&mut self, key: u64) {
+        if let Some((_, used)) = self.ends.remove(&key) {
+            self.end_use.remove(&used);
+        }
+    }
+
     fn touch(&mut self, block: u32) {
         let b = block as usize;
         self.clock += 1;
@@ -331,6 +413,35 @@ mod tests {
         p.hold(3);
         p.register(&[Some(3)], &[1, 2]);
         assert_eq!(p.side(&[1, 2]), None);
+    }
+
+    /// What is kept at a prefix's end is found only through that whole prefix, goes with its
+    /// last block, and beyond the limit the least recently used one is dropped.
+    #[test]
+    fn ends_live_with_their_last_block_and_are_bounded() {
+        let mut p: PrefixIndex<(), &str> = PrefixIndex::new(8, 2).with_max_ends(2);
+        for b in 0..4 {
+            p.hold(b);
+        }
+        p.register(&[Some(0), Some(1)], &[1, 2, 3, 4]);
+        p.keep_end(&[1, 2, 3, 4, 9], 2, "a");
+        p.keep_end(&[1, 2, 3, 4], 2, "again"); // one is kept already
+        p.keep_end(&[1, 2, 5, 6], 2, "x"); // not registered: nothing kept
+        assert_eq!(p.end(&[1, 2, 3, 4, 7], 2), Some(&"a"));
+        assert!(!p.has_end(&[1, 2, 3, 4], 1) && !p.has_end(&[1, 2, 5, 6], 2));
+        p.keep_end(&[1, 2], 1, "b");
+        p.register(&[Some(2), Some(3)], &[5, 6, 7, 8]);
+        p.end(&[1, 2, 3, 4], 2); // "a" used last: "b" goes first
+        p.keep_end(&[5, 6, 7, 8], 2, "c");
+        assert!(p.has_end(&[1, 2, 3, 4], 2) && !p.has_end(&[1, 2], 1));
+        assert_eq!(p.end(&[5, 6, 7, 8], 2), Some(&"c"));
+        // Evicting a prefix's last block drops its end.
+        for b in [1, 0, 3, 2] {
+            assert!(!p.release(b));
+        }
+        assert_eq!(p.evict(), Some(1));
+        assert!(!p.has_end(&[1, 2, 3, 4], 2));
+        assert!(p.has_end(&[5, 6, 7, 8], 2));
     }
 
     #[test]

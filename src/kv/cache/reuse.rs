@@ -5,6 +5,11 @@
 use super::prefix::PrefixIndex;
 use super::*;
 
+/// Most prefix ends whose dense copies (`--kv-residual`) are kept for reuse, over all prompts;
+/// each holds what one sequence's window holds (`N − 1 + S` rows per quantized layer, f16),
+/// outside `--kv-memory` like the running sequences' own copies.
+pub const MAX_KEPT_WINDOWS: usize = 32;
+
 impl PagedKvCache {
     /// Main-pool blocks nobody holds that still cache a prompt prefix, over all groups.
     pub fn prefix_cached_blocks(&self) -> usize {
@@ -24,20 +29,14 @@ impl PagedKvCache {
     /// sequences end, until the pool needs them (least recently used first). A windowed group
     /// caches the blocks its window still held when the prompt was registered, and a prefix is
     /// reused only where every group holds what the next token can see. With `--kv-center` a
-    /// prefix comes with the key means its blocks were stored with (`center`). Not available
-    /// with a staging pool, whose blocks do not keep a prompt's rows, nor with `--kv-residual`:
-    /// the first token after a shared prefix attends the dense copies of the `N − 1` positions
-    /// before it, which the blocks do not hold (their sequences dropped them as they went on),
-    /// and prefilling a few positions again only moves that need onto theirs (`held`).
+    /// prefix comes with the key means its blocks were stored with (`center`). With
+    /// `--kv-residual` the first token after a shared prefix attends the dense copies of the
+    /// `N − 1` positions before it, which the blocks do not hold and which prefilling a few
+    /// positions again cannot make exactly (`held`): a prefix is reused only up to a block
+    /// boundary where a sequence kept its copies ([`Self::register_prefix`]), at most
+    /// [`MAX_KEPT_WINDOWS`] of them. Not available with a staging pool, whose blocks do not keep
+    /// a prompt's rows.
     pub fn enable_prefix_cache(&mut self) -> Result<()> {
-        if self.cfg.residual > 0 {
-            return Err(CacheError::Rows(
-                "prefix reuse shares quantized blocks, but under --kv-residual the first token \
-                 after a shared prefix attends the dense copies of the positions before it, \
-                 which the blocks do not keep: it cannot be combined with --kv-residual"
-                    .into(),
-            ));
-        }
         if self.cfg.staging.is_some() {
             return Err(CacheError::Rows(
                 "prefix reuse needs whole histories in the main pool: it cannot be combined \
@@ -47,7 +46,13 @@ impl PagedKvCache {
         }
         for (g, gp) in self.groups.iter_mut().enumerate() {
             if gp.prefix.is_none() {
-                let mut p = PrefixIndex::new(gp.main.total, self.cfg.block_size);
+                let ends = if self.cfg.residual > 0 {
+                    MAX_KEPT_WINDOWS
+                } else {
+                    0
+                };
+                let mut p =
+                    PrefixIndex::new(gp.main.total, self.cfg.block_size).with_max_ends(ends);
                 for s in self.seqs.values() {
                     for &b in s.tables[g].iter().flatten() {
                         p.hold(b);
@@ -90,10 +95,26 @@ impl PagedKvCache {
                 .get(f..m)
                 .is_some_and(|b| b.iter().all(Option::is_some))
         };
+        // Under the window, only where the copies of the positions before it were kept.
+        let window = self.cfg.residual > 0;
+        let kept = |m: usize| {
+            !window
+                || self
+                    .groups
+                    .iter()
+                    .any(|g| g.prefix.as_ref().is_some_and(|p| p.has_end(tokens, m)))
+        };
         let mut m = present.iter().map(Vec::len).min().unwrap_or(0);
-        while m > 0 && !(0..self.groups.len()).all(|g| held(g, m)) {
+        while m > 0 && !((0..self.groups.len()).all(|g| held(g, m)) && kept(m)) {
             m -= 1;
         }
+        let copies = match (window, m > 0) {
+            (true, true) => self
+                .groups
+                .iter_mut()
+                .find_map(|g| g.prefix.as_mut().and_then(|p| p.end(tokens, m)).cloned()),
+            _ => None,
+        };
         // Centred keys: the blocks mean something only with the means they were stored with.
         let means = self
             .groups
@@ -121,13 +142,18 @@ impl PagedKvCache {
         if let (true, Some(means)) = (m > 0 && self.cfg.center, means) {
             self.take_prefix_means(id, &means);
         }
+        if let Some(copies) = copies {
+            self.import_held(id, &copies, len)?;
+        }
         Ok(len)
     }
 
     /// Offers the full blocks of `id` holding `tokens` (its first positions, all written) to
     /// the prefix cache (in a windowed group, those its window still holds); nothing without
     /// prefix reuse. With `--kv-center`, only blocks whose key means came from a whole first
-    /// block, kept with them.
+    /// block, kept with them. With `--kv-residual`, when `id` holds exactly `tokens` and they
+    /// end on a block boundary, the dense copies it holds now are kept with the last block:
+    /// a later sequence can start there (see [`Self::prefix_point`]).
     pub fn register_prefix(&mut self, id: SeqId, tokens: &[u32]) -> Result<()> {
         if self.groups.iter().all(|g| g.prefix.is_none()) {
             return Ok(());
@@ -141,12 +167,32 @@ impl PagedKvCache {
         };
         let s = self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))?;
         let n = tokens.len().min(s.len);
+        let bs = self.cfg.block_size;
+        let at_boundary = n == s.len && n == tokens.len() && n > 0 && n % bs == 0;
+        let copies = match at_boundary {
+            true => self.export_held(id)?,
+            false => None,
+        };
+        let s = self.seqs.get(&id).ok_or(CacheError::UnknownSeq(id))?;
         for (g, table) in self.groups.iter_mut().zip(&s.tables) {
             if let Some(p) = g.prefix.as_mut() {
                 p.register_with(table, &tokens[..n], means.clone());
+                if let Some(c) = &copies {
+                    p.keep_end(tokens, n / bs, c.clone());
+                }
             }
         }
         Ok(())
+    }
+
+    /// Under `--kv-residual` with prefix reuse on, the block boundary at which a prompt that may
+    /// be reused up to `max_reuse` tokens should stop once, so that [`Self::register_prefix`]
+    /// keeps its dense copies there (the last whole block within `max_reuse`); `None` where
+    /// nothing needs to be kept.
+    pub fn prefix_point(&self, max_reuse: usize) -> Option<usize> {
+        let on = self.cfg.residual > 0 && self.groups.iter().all(|g| g.prefix.is_some());
+        let at = max_reuse / self.cfg.block_size * self.cfg.block_size;
+        (on && at > 0).then_some(at)
     }
 
     /// Takes `n` main-pool blocks of group `g` for a sequence: free ones first, then parked

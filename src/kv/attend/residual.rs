@@ -18,6 +18,10 @@ use super::plan::{DecodeGroup, GroupTables, SeqSlice};
 use crate::kv::cache::residual::Tail;
 use crate::kv::cache::{PagedKvCache, SeqId};
 
+/// Most (query, KV head) tasks of a sequence's dense part run on the calling thread (each is
+/// at most `N + S` rows of one head: microseconds).
+const SERIAL_TASKS: usize = 16;
+
 /// What one sequence's tail holds, read before the quantized part is cut short.
 #[derive(Clone, Copy)]
 struct Held {
@@ -90,27 +94,35 @@ pub(super) fn attend(
         width,
         scale,
     };
-    // Per sequence, under its tail's lock: one task per (query, KV head).
+    // Per sequence, under its tail's lock: one task per (query, KV head); a few run here, since
+    // waking the pool for them costs more than they do (a decode step's 3 at the default model).
     for (&(_, at, n), &id) in g.members.iter().zip(&ids) {
         let rows_out = &mut out[at * heads * hd..(at + n) * heads * hd];
         cache.with_residual(id, layer, |tail| {
             let Some(tail) = tail else { return };
-            rows_out
-                .par_chunks_mut(dims.group * hd)
-                .enumerate()
-                .for_each(|(task, o)| {
-                    let (r, kh) = (at + task / kvh, task % kvh);
-                    let span = (
-                        host.starts[r] as usize,
-                        lo[r] as usize,
-                        host.lens[r] as usize,
-                    );
-                    let h0 = r * heads + kh * dims.group;
-                    let qh = &qv[h0 * hd..][..dims.group * hd];
-                    let lq = &lse[h0..][..dims.group];
-                    dense_part(tail, kh, span, qh, lq, dims, o);
-                });
+            let task = |(task, o): (usize, &mut [f32])| {
+                let (r, kh) = (at + task / kvh, task % kvh);
+                let span = (
+                    host.starts[r] as usize,
+                    lo[r] as usize,
+                    host.lens[r] as usize,
+                );
+                let h0 = r * heads + kh * dims.group;
+                let qh = &qv[h0 * hd..][..dims.group * hd];
+                let lq = &lse[h0..][..dims.group];
+                dense_part(tail, kh, span, qh, lq, dims, o);
+            };
+            let chunk = dims.group * hd;
+            if n * kvh <= SERIAL_TASKS {
+                rows_out.chunks_mut(chunk).enumerate().for_each(task);
+            } else {
+                rows_out.par_chunks_mut(chunk).enumerate().for_each(task);
+            }
         });
+        // What the sequence's next query sees from here on (a prompt chunk's rows go now).
+        if let Some(&last) = host.lens.get(at + n - 1) {
+            cache.trim_residual(id, layer, (last as usize + 1).saturating_sub(keep));
+        }
     }
     Tensor::from_vec(out, (n_q, heads, hd), q.device())?.to_dtype(q.dtype())
 }

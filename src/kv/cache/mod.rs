@@ -469,7 +469,7 @@ impl PagedKvCache {
             // The next query is at position len: it sees the dense copies of positions
             // > len - residual; a prompt chunk's other rows go.
             let from = (s.len + 1).saturating_sub(self.cfg.residual);
-            self.tails.trim(id, from, self.cfg.width());
+            self.tails.trim(id, None, from, self.cfg.width());
         }
         if s.len <= s.keep {
             return Ok(()); // its history is kept whole until it is exported

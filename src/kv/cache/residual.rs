@@ -63,6 +63,13 @@ impl PagedKvCache {
         }
     }
 
+    /// Lets `layer`'s host copies of `id` go before position `from`, once the step's queries
+    /// of that layer have attended them: a prompt chunk's rows would otherwise stay in every
+    /// layer until the step ends (`advance` trims what is left).
+    pub fn trim_residual(&self, id: SeqId, layer: usize, from: usize) {
+        self.tails.trim(id, Some(layer), from, self.cfg.width());
+    }
+
     /// Keeps dense copies of a write's rows (`k`, `v`: `[T, width]`, spans as
     /// [`PagedKvCache::write_spans`] takes them) where `layer` has a residual window.
     pub(super) fn keep_residual(
@@ -160,13 +167,20 @@ impl Tail {
         extend_f16(&mut self.v, v);
     }
 
-    /// Drops the window's rows of positions before `from`.
+    /// Drops the window's rows of positions before `from`, and the room a prompt chunk's rows
+    /// took (else every layer would keep a whole chunk's capacity for good: tens of MiB for a
+    /// 2,048-token chunk on the default model).
     fn drop_before(&mut self, from: usize, width: usize) {
         if from > self.start {
             let n = (from - self.start).min(self.len(width));
             self.k.drain(..n * width);
             self.v.drain(..n * width);
             self.start += n;
+            for x in [&mut self.k, &mut self.v] {
+                if x.capacity() > 2 * x.len() + 16 * width {
+                    x.shrink_to(x.len() + width);
+                }
+            }
         }
     }
 }
@@ -243,10 +257,11 @@ impl Tails {
         layers[layer] = tail;
     }
 
-    /// Drops the rows of `id` before position `from` in every layer.
-    pub(super) fn trim(&self, id: SeqId, from: usize, width: usize) {
+    /// Drops the rows of `id` before position `from` in every layer, or in `layer` alone.
+    pub(super) fn trim(&self, id: SeqId, layer: Option<usize>, from: usize, width: usize) {
         let mut m = self.host.lock().unwrap_or_else(|e| e.into_inner());
-        for t in m.get_mut(&id).into_iter().flatten() {
+        let layers = m.get_mut(&id).into_iter().flatten().enumerate();
+        for (_, t) in layers.filter(|(l, _)| layer.is_none_or(|x| x == *l)) {
             t.drop_before(from, width);
         }
     }
@@ -339,7 +354,7 @@ mod tests {
             tails.push(7, layer, 0, (&rows(0, 10), &rows(0, 10)), 1, 4, 0);
             tails.push(8, layer, 0, (&rows(0, 10), &rows(0, 10)), 1, 4, 0);
         }
-        tails.trim(7, 7, 1); // next query at 10 sees 7..=10
+        tails.trim(7, None, 7, 1); // next query at 10 sees 7..=10
         for layer in 0..2 {
             tails.with(7, layer, |t| {
                 let t = t.unwrap();
@@ -351,5 +366,19 @@ mod tests {
         }
         tails.remove(7);
         tails.with(7, 0, |t| assert!(t.is_none()));
+    }
+
+    /// Trimmed after a long prompt chunk, a tail gives back the room the chunk's rows took.
+    #[test]
+    fn trimming_a_chunk_gives_its_room_back() {
+        let tails = Tails::default();
+        let width = 8;
+        tails.push(1, 0, 0, (&rows(0, 4096), &rows(0, 4096)), width, 4, 0);
+        tails.trim(1, Some(0), 509, width);
+        tails.with(1, 0, |t| {
+            let t = t.unwrap();
+            assert_eq!((t.start, t.len(width)), (509, 3));
+            assert!(t.k.capacity() <= 4 * width && t.v.capacity() <= 4 * width);
+        });
     }
 }

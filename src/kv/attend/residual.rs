@@ -119,9 +119,11 @@ pub(super) fn attend(
                 rows_out.par_chunks_mut(chunk).enumerate().for_each(task);
             }
         });
-        // What the sequence's next query sees from here on (a prompt chunk's rows go now).
+        // A prompt chunk's rows go now, but for what its last query saw: a chunk is attended
+        // once per layer and step, and a decode step attended again sees the same (`advance`
+        // trims the rest).
         if let Some(&last) = host.lens.get(at + n - 1) {
-            cache.trim_residual(id, layer, (last as usize + 1).saturating_sub(keep));
+            cache.trim_residual(id, layer, (last as usize).saturating_sub(keep));
         }
     }
     Tensor::from_vec(out, (n_q, heads, hd), q.device())?.to_dtype(q.dtype())
@@ -410,6 +412,14 @@ mod tests {
                     let batch = [SeqSlice::new(&cache, 0, 0, at, n)];
                     let plan = plan_decode(&cache, &batch, true).unwrap();
                     let got = paged_attention(&q, &cache, 0, &batch, &plan, scale, None).unwrap();
+                    // A decode step attended again (as `bench-kv-cache` repeats one): the same.
+                    // (A prompt chunk's rows go once attended: its earlier queries could not
+                    // be attended again.)
+                    if n == 1 {
+                        let again = paged_attention(&q, &cache, 0, &batch, &plan, scale, None);
+                        let again = crate::ops::testing::max_abs_diff(&got, &again.unwrap());
+                        assert_eq!(again, 0.0, "a repeated call at {at}+{n}");
+                    }
                     cache.advance(0, n).unwrap();
                     let hist = (
                         k.narrow(0, 0, at + n).unwrap(),

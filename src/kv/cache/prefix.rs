@@ -305,10 +305,24 @@ impl<S, E> PrefixIndex<S, E> {
         Some(&e.0)
     }
 
-    /// Whether something is kept at the end of the first `blocks` full blocks of `tokens`.
-    pub fn has_end(&self, tokens: &[u32], blocks: usize) -> bool {
-        self.key_of(tokens, blocks)
-            .is_some_and(|k| self.ends.contains_key(&k))
+    /// Whether something is kept at the end of each of the first `max_blocks` whole-block
+    /// prefixes of `tokens` (entry `m − 1` for the first `m` blocks), in one pass.
+    pub fn ends_along(&self, tokens: &[u32], max_blocks: usize) -> Vec<bool> {
+        let mut parent = ROOT;
+        tokens
+            .chunks_exact(self.block_size)
+            .take(max_blocks)
+            .map(|chunk| {
+                let k = chain(parent, chunk);
+                let kept = self.ends.contains_key(&k)
+                    && self
+                        .entries
+                        .get(&k)
+                        .is_some_and(|e| e.parent == parent && e.tokens == chunk);
+                parent = k;
+                kept
+            })
+            .collect()
     }
 
     fn drop_end(&mut self, key: u64) {
@@ -428,20 +442,20 @@ mod tests {
         p.keep_end(&[1, 2, 3, 4], 2, "again"); // one is kept already
         p.keep_end(&[1, 2, 5, 6], 2, "x"); // not registered: nothing kept
         assert_eq!(p.end(&[1, 2, 3, 4, 7], 2), Some(&"a"));
-        assert!(!p.has_end(&[1, 2, 3, 4], 1) && !p.has_end(&[1, 2, 5, 6], 2));
+        assert_eq!(p.ends_along(&[1, 2, 5, 6], 8), vec![false, false]);
         p.keep_end(&[1, 2], 1, "b");
         p.register(&[Some(2), Some(3)], &[5, 6, 7, 8]);
         p.end(&[1, 2, 3, 4], 2); // "a" used last: "b" goes first
         p.keep_end(&[5, 6, 7, 8], 2, "c");
-        assert!(p.has_end(&[1, 2, 3, 4], 2) && !p.has_end(&[1, 2], 1));
+        assert_eq!(p.ends_along(&[1, 2, 3, 4, 5], 8), vec![false, true]);
         assert_eq!(p.end(&[5, 6, 7, 8], 2), Some(&"c"));
         // Evicting a prefix's last block drops its end.
         for b in [1, 0, 3, 2] {
             assert!(!p.release(b));
         }
         assert_eq!(p.evict(), Some(1));
-        assert!(!p.has_end(&[1, 2, 3, 4], 2));
-        assert!(p.has_end(&[5, 6, 7, 8], 2));
+        assert_eq!(p.ends_along(&[1, 2, 3, 4], 8), vec![false, false]);
+        assert_eq!(p.ends_along(&[5, 6, 7, 8], 8), vec![false, true]);
     }
 
     #[test]

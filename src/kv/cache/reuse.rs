@@ -97,13 +97,16 @@ impl PagedKvCache {
         };
         // Under the window, only where the copies of the positions before it were kept.
         let window = self.cfg.residual > 0;
-        let kept = |m: usize| {
-            !window
-                || self
-                    .groups
-                    .iter()
-                    .any(|g| g.prefix.as_ref().is_some_and(|p| p.has_end(tokens, m)))
+        let ends: Vec<Vec<bool>> = match window {
+            true => self
+                .groups
+                .iter()
+                .filter_map(|g| g.prefix.as_ref())
+                .map(|p| p.ends_along(tokens, most))
+                .collect(),
+            false => Vec::new(),
         };
+        let kept = |m: usize| !window || ends.iter().any(|e| e.get(m - 1) == Some(&true));
         let mut m = present.iter().map(Vec::len).min().unwrap_or(0);
         while m > 0 && !((0..self.groups.len()).all(|g| held(g, m)) && kept(m)) {
             m -= 1;

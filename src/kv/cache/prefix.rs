@@ -165,20 +165,29 @@ impl<S, E> PrefixIndex<S, E> {
     /// where none is cached), found by the chain of every block before it (a windowed group
     /// caches only the blocks its window held). Not yet held: see [`Self::use_found`].
     pub fn present(&self, tokens: &[u32], max_blocks: usize) -> Vec<Option<u32>> {
+        self.walk(tokens, max_blocks)
+            .map(|(_, e)| e.map(|e| e.block))
+            .collect()
+    }
+
+    /// Each of the first `max_blocks` full blocks of `tokens`: the key of the prefix it ends,
+    /// and that prefix's entry where one is registered (checked against a hash collision).
+    fn walk<'a>(
+        &'a self,
+        tokens: &'a [u32],
+        max_blocks: usize,
+    ) -> impl Iterator<Item = (u64, Option<&'a Entry>)> + 'a {
         let mut parent = ROOT;
         tokens
             .chunks_exact(self.block_size)
             .take(max_blocks)
-            .map(|chunk| {
+            .map(move |chunk| {
                 let k = chain(parent, chunk);
-                let found = match self.entries.get(&k) {
-                    Some(e) if e.parent == parent && e.tokens == chunk => Some(e.block),
-                    _ => None,
-                };
+                let e = self.entries.get(&k);
+                let e = e.filter(|e| e.parent == parent && e.tokens == chunk);
                 parent = k;
-                found
+                (k, e)
             })
-            .collect()
     }
 
     /// Marks blocks found by [`Self::present`] as used now (the deepest the oldest, so a chain
@@ -257,18 +266,8 @@ impl<S, E> PrefixIndex<S, E> {
     /// The key of the prefix made of the first `blocks` full blocks of `tokens`, if its last
     /// block is registered (a windowed group need not hold the ones before).
     fn key_of(&self, tokens: &[u32], blocks: usize) -> Option<u64> {
-        if blocks == 0 || tokens.len() < blocks * self.block_size {
-            return None;
-        }
-        let mut parent = ROOT;
-        let chunks: Vec<&[u32]> = tokens.chunks_exact(self.block_size).take(blocks).collect();
-        for chunk in &chunks[..blocks - 1] {
-            parent = chain(parent, chunk);
-        }
-        let last = chunks[blocks - 1];
-        let k = chain(parent, last);
-        let e = self.entries.get(&k)?;
-        (e.parent == parent && e.tokens == last).then_some(k)
+        let (i, (k, e)) = self.walk(tokens, blocks).enumerate().last()?;
+        (i + 1 == blocks && e.is_some()).then_some(k)
     }
 
     /// Keeps `end` with the registered prefix made of the first `blocks` full blocks of
@@ -308,20 +307,8 @@ impl<S, E> PrefixIndex<S, E> {
     /// Whether something is kept at the end of each of the first `max_blocks` whole-block
     /// prefixes of `tokens` (entry `m − 1` for the first `m` blocks), in one pass.
     pub fn ends_along(&self, tokens: &[u32], max_blocks: usize) -> Vec<bool> {
-        let mut parent = ROOT;
-        tokens
-            .chunks_exact(self.block_size)
-            .take(max_blocks)
-            .map(|chunk| {
-                let k = chain(parent, chunk);
-                let kept = self.ends.contains_key(&k)
-                    && self
-                        .entries
-                        .get(&k)
-                        .is_some_and(|e| e.parent == parent && e.tokens == chunk);
-                parent = k;
-                kept
-            })
+        self.walk(tokens, max_blocks)
+            .map(|(k, e)| e.is_some() && self.ends.contains_key(&k))
             .collect()
     }
 

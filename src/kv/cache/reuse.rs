@@ -46,7 +46,7 @@ impl PagedKvCache {
         }
         for (g, gp) in self.groups.iter_mut().enumerate() {
             if gp.prefix.is_none() {
-                let ends = if self.cfg.residual > 0 {
+                let ends = if self.cfg.residual > 0 && g == 0 {
                     MAX_KEPT_WINDOWS
                 } else {
                     0
@@ -97,25 +97,18 @@ impl PagedKvCache {
         };
         // Under the window, only where the copies of the positions before it were kept.
         let window = self.cfg.residual > 0;
-        let ends: Vec<Vec<bool>> = match window {
-            true => self
-                .groups
-                .iter()
-                .filter_map(|g| g.prefix.as_ref())
-                .map(|p| p.ends_along(tokens, most))
-                .collect(),
-            false => Vec::new(),
+        // The copies are kept once, in the first group's index (`register_prefix`).
+        let ends = match (window, self.groups[0].prefix.as_ref()) {
+            (true, Some(p)) => p.ends_along(tokens, most),
+            _ => Vec::new(),
         };
-        let kept = |m: usize| !window || ends.iter().any(|e| e.get(m - 1) == Some(&true));
+        let kept = |m: usize| !window || ends.get(m - 1) == Some(&true);
         let mut m = present.iter().map(Vec::len).min().unwrap_or(0);
         while m > 0 && !((0..self.groups.len()).all(|g| held(g, m)) && kept(m)) {
             m -= 1;
         }
-        let copies = match (window, m > 0) {
-            (true, true) => self
-                .groups
-                .iter_mut()
-                .find_map(|g| g.prefix.as_mut().and_then(|p| p.end(tokens, m)).cloned()),
+        let copies = match (window, m > 0, self.groups[0].prefix.as_mut()) {
+            (true, true, Some(p)) => p.end(tokens, m).cloned(),
             _ => None,
         };
         // Centred keys: the blocks mean something only with the means they were stored with.
@@ -180,10 +173,11 @@ impl PagedKvCache {
         for (g, table) in self.groups.iter_mut().zip(&s.tables) {
             if let Some(p) = g.prefix.as_mut() {
                 p.register_with(table, &tokens[..n], means.clone());
-                if let Some(c) = &copies {
-                    p.keep_end(tokens, n / bs, c.clone());
-                }
             }
+        }
+        // Once, in the first group's index: every group registers the same prefixes.
+        if let (Some(c), Some(p)) = (copies, self.groups[0].prefix.as_mut()) {
+            p.keep_end(tokens, n / bs, c);
         }
         Ok(())
     }

@@ -122,6 +122,21 @@ KVQ_MERGE(bf16, __nv_bfloat16)
     KVQ_QM1(TNAME, T, B, D, GS, , false, KVQ_Q_ARGS, KVQ_NO_WIN)                                     \
     KVQ_QM1(TNAME, T, B, D, GS, _w, true, KVQ_Q_ARGS_W, KVQ_WIN_PASS)
 
+// 4-bit keys on tensor cores over 3-bit values read by the lanes (--kv-bits 3.5):
+// decode_qm_<dtype>_b4v3_d<head_dim>_g<group>, 4 blocks per SM (the lanes' V accumulators).
+#define KVQ_QMV1(TNAME, T, D, GS, SUF, WIN, ARGS, ROWS)                                              \
+    extern "C" __global__ void __launch_bounds__(QW * 32, 4)                                        \
+        decode_qm_##TNAME##_b4v3_d##D##_g##GS##SUF(ARGS(T)) {                                          \
+        pdl_start();                                                                                \
+        qdecode_impl<T, 4, D, GS, 3, WIN>(KVQ_Q_PASS, ROWS);                                         \
+    }
+#define KVQ_QMV(TNAME, T, D, GS)                                                                     \
+    KVQ_QMV1(TNAME, T, D, GS, , false, KVQ_Q_ARGS, KVQ_NO_WIN)                                       \
+    KVQ_QMV1(TNAME, T, D, GS, _w, true, KVQ_Q_ARGS_W, KVQ_WIN_PASS)
+#define KVQ_QMV_ALL(TNAME, T)                                                                        \
+    KVQ_QMV(TNAME, T, 64, 32) KVQ_QMV(TNAME, T, 64, 64) KVQ_QMV(TNAME, T, 128, 32)                   \
+    KVQ_QMV(TNAME, T, 128, 64) KVQ_QMV(TNAME, T, 128, 128)
+
 #define KVQ_QKV_D(TNAME, T, D)                                                                       \
     KVQ_QW(TNAME, T, 3, 2, 3v2, D) KVQ_QW(TNAME, T, 4, 3, 4v3, D) KVQ_QW(TNAME, T, 5, 4, 5v4, D)     \
     KVQ_QW(TNAME, T, 6, 5, 6v5, D)
@@ -136,7 +151,7 @@ KVQ_MERGE(bf16, __nv_bfloat16)
 
 #define KVQ_Q_ALL(TNAME, T)                                                                          \
     KVQ_Q_D(TNAME, T, 64) KVQ_Q_D(TNAME, T, 128) KVQ_QM_B(TNAME, T, 4) KVQ_QM_B(TNAME, T, 8)        \
-    KVQ_QKV_D(TNAME, T, 64) KVQ_QKV_D(TNAME, T, 128)
+    KVQ_QKV_D(TNAME, T, 64) KVQ_QKV_D(TNAME, T, 128) KVQ_QMV_ALL(TNAME, T)
 
 KVQ_Q_ALL(f32, float)
 KVQ_Q_ALL(f16, __half)

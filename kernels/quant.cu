@@ -131,16 +131,37 @@ __device__ __forceinline__ void dequantize_impl(const uint32_t* __restrict__ cod
 // hold it (three butterfly stages in registers, the rest by xor shuffles), rounded to the input's
 // type as the unfused path's rotation does, then quantized and written as quantize_rows does. Lanes
 // past the end compute on zeros and store nothing (every lane takes part in the shuffles).
+//
+// A captured decode step's side writes ride along (null pointers: none): `means` (keys only) is
+// subtracted from each input value first, in IT arithmetic as candle's subtraction
+// (--kv-center), and the values as they are then go as f16 (rounded as candle's cast) to rows
+// copy_rows[r] and copy_sinks[r] of `copies` for input row r (--kv-residual's dense copies,
+// unrotated; the sink row equals the ring row when the row is no sink). One launch instead of
+// the copies' own kernel and the centring's subtraction per layer.
 template <typename IT, typename T, int B, int D>
 __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint32_t* __restrict__ codes,
                                                   T* __restrict__ scales, T* __restrict__ biases,
                                                   uint64_t nchunks, int group, const uint32_t* __restrict__ rows,
-                                                  uint64_t cpr, const float* __restrict__ signs) {
+                                                  uint64_t cpr, const float* __restrict__ signs,
+                                                  const IT* __restrict__ means, __half* __restrict__ copies,
+                                                  const uint32_t* __restrict__ copy_rows,
+                                                  const uint32_t* __restrict__ copy_sinks) {
     const uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int lv = (int)(t % (D / 8));  // this chunk's place in its head vector
     float v[8];
     if (t < nchunks) {
-        load8(x + t * 8, v);
+        if (means != nullptr) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[k] = to_f(IT(x[t * 8 + k] - means[t * 8 + k]));
+        } else {
+            load8(x + t * 8, v);
+        }
+        if (copies != nullptr) {
+            const uint64_t r = t / cpr, c = (t % cpr) * 8, w = cpr * 8;
+            const uint32_t ring = copy_rows[r], sink = copy_sinks[r];
+            store8(copies + ring * w + c, v);
+            if (sink != ring) store8(copies + sink * w + c, v);
+        }
     } else {
 #pragma unroll
         for (int k = 0; k < 8; k++) v[k] = 0.f;
@@ -181,17 +202,22 @@ __device__ __forceinline__ void quantize_rot_impl(const IT* __restrict__ x, uint
 }
 
 // K and V of a step in one launch (grid y: 0 = K, 1 = V), input IT (f32 or the pool's type),
+// with a captured step's side writes (quantize_rot_impl; null pointers where there are none),
 // KB-bit keys and VB-bit values, head_dim D: quantize_rot_rows_<input>_<pool>_b<W>_d<D>, W the
 // one width, or <key bits>v<value bits> for keys one bit wider (the splits of --kv-bits 2.5 … 5.5).
 #define KVQ_QUANT_ROT(INAME, IT, TNAME, T, KB, VB, W, D)                                            \
     extern "C" __global__ void quantize_rot_rows_##INAME##_##TNAME##_b##W##_d##D(                   \
         const IT* xk, const IT* xv, uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb,         \
-        uint64_t nchunks, int group, const uint32_t* rows, uint64_t cpr, const float* signs) {     \
+        uint64_t nchunks, int group, const uint32_t* rows, uint64_t cpr, const float* signs,        \
+        const IT* means, __half* copy_k, __half* copy_v, const uint32_t* copy_rows,                 \
+        const uint32_t* copy_sinks) {                                                               \
         pdl_start();                                                                                \
         if (blockIdx.y == 0)                                                                        \
-            quantize_rot_impl<IT, T, KB, D>(xk, kc, ks, kb, nchunks, group, rows, cpr, signs);      \
+            quantize_rot_impl<IT, T, KB, D>(xk, kc, ks, kb, nchunks, group, rows, cpr, signs,       \
+                                            means, copy_k, copy_rows, copy_sinks);                  \
         else                                                                                        \
-            quantize_rot_impl<IT, T, VB, D>(xv, vc, vs, vb, nchunks, group, rows, cpr, signs);      \
+            quantize_rot_impl<IT, T, VB, D>(xv, vc, vs, vb, nchunks, group, rows, cpr, signs,       \
+                                            nullptr, copy_v, copy_rows, copy_sinks);                \
     }
 
 // Quantize X rows into T parameters: quantize_<x>_<t>_b<bits>, quantize_rows_<x>_<t>_b<bits>.

@@ -27,35 +27,42 @@ __device__ __forceinline__ bool last_to_finish(unsigned* __restrict__ counters, 
     return last;
 }
 
-// Merges the position splits of IT outputs: output k is value dd[k] of head row hr[k], whose
-// splits sit at rows s·BH + hr[k] of part_ml ([.., 2]: max, sum) and part_acc ([.., D]);
-// lse[k] is its head's log-sum-exp of the scores (−inf for none, NaN for a bad sequence), what
-// a merge with attention over other rows needs (the residual window).
-// Splits are read SC at a time for all IT outputs at once (one round trip to L2 per SC splits:
-// the merge is latency-bound) and combined online. Empty splits (m = -inf) count for nothing;
-// NaN (a bad sequence) propagates. Outputs with in[k] false read nothing.
+// Running sums of an online merge of split partials for IT outputs: the max M of their
+// scores, the weighted V of two sets of splits (a0, a1: one may be rotated, the other not),
+// their common sum den, and whether a NaN (a bad sequence) was met.
+template <int IT> struct MergeSums {
+    float M[IT], a0[IT], a1[IT], den[IT];
+    bool nan[IT];
+};
+
+// Merges splits [0, n0) into a0 and splits [w0, w0 + n1) into a1, output k being value dd[k]
+// of head row hr[k], whose split s sits at row s·BH + hr[k] of part_ml ([.., 2]: max, sum) and
+// part_acc ([.., D]). Splits are read SC at a time for all IT outputs at once (one round trip
+// to L2 per SC splits, both sets in the same trips: the merge is latency-bound) and combined
+// online. Empty splits (m = -inf) count for nothing; NaN propagates. Outputs with in[k] false
+// read nothing.
 template <int IT>
-__device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
-                                             const float* __restrict__ part_ml, size_t BH, int D,
-                                             int nsplit, const size_t* hr, const int* dd,
-                                             const bool* in, float* o, float* lse) {
+__device__ __forceinline__ void merge_parts(const float* __restrict__ part_acc,
+                                            const float* __restrict__ part_ml, size_t BH, int D,
+                                            int n0, int w0, int n1, const size_t* hr,
+                                            const int* dd, const bool* in, MergeSums<IT>& r) {
     constexpr int SC = 4;
-    float M[IT], num[IT], den[IT];
-    bool any_nan[IT];
 #pragma unroll
     for (int k = 0; k < IT; k++) {
-        M[k] = neg_inf();
-        num[k] = den[k] = 0.f;
-        any_nan[k] = false;
+        r.M[k] = neg_inf();
+        r.a0[k] = r.a1[k] = r.den[k] = 0.f;
+        r.nan[k] = false;
     }
-    for (int s0 = 0; s0 < nsplit; s0 += SC) {
+    const int n = n0 + n1;
+    for (int s0 = 0; s0 < n; s0 += SC) {
         float m[IT][SC], l[IT][SC], a[IT][SC];
 #pragma unroll
         for (int k = 0; k < IT; k++) {
 #pragma unroll
             for (int u = 0; u < SC; u++) {
-                const size_t h = (size_t)(s0 + u) * BH + hr[k];
-                const bool ok = s0 + u < nsplit && in[k];
+                const int s = s0 + u;
+                const size_t h = (size_t)(s < n0 ? s : w0 + s - n0) * BH + hr[k];
+                const bool ok = s < n && in[k];
                 m[k][u] = ok ? __ldcg(&part_ml[h * 2]) : neg_inf();
                 l[k][u] = ok ? __ldcg(&part_ml[h * 2 + 1]) : 0.f;
                 a[k][u] = ok ? __ldcg(&part_acc[h * D + dd[k]]) : 0.f;
@@ -66,27 +73,40 @@ __device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
             float cm = neg_inf();
 #pragma unroll
             for (int u = 0; u < SC; u++) {
-                if (m[k][u] != m[k][u]) any_nan[k] = true;
+                if (m[k][u] != m[k][u]) r.nan[k] = true;
                 else cm = fmaxf(cm, m[k][u]);
             }
-            const float mn = fmaxf(M[k], cm);
-            const float r = M[k] == neg_inf() ? 0.f : fast_exp(M[k] - mn);
-            num[k] *= r;
-            den[k] *= r;
+            const float mn = fmaxf(r.M[k], cm);
+            const float c = r.M[k] == neg_inf() ? 0.f : fast_exp(r.M[k] - mn);
+            r.a0[k] *= c;
+            r.a1[k] *= c;
+            r.den[k] *= c;
 #pragma unroll
             for (int u = 0; u < SC; u++) {
                 const float w = m[k][u] == neg_inf() || m[k][u] != m[k][u] ? 0.f : fast_exp(m[k][u] - mn);
-                num[k] += w * a[k][u];
-                den[k] += w * l[k][u];
+                if (s0 + u < n0) r.a0[k] += w * a[k][u];
+                else r.a1[k] += w * a[k][u];
+                r.den[k] += w * l[k][u];
             }
-            M[k] = mn;
+            r.M[k] = mn;
         }
     }
+}
+
+// merge_parts of one set, normalized: o[k] and its head's log-sum-exp lse[k] (−inf for none,
+// NaN for a bad sequence), what a merge with attention over other rows needs.
+template <int IT>
+__device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
+                                             const float* __restrict__ part_ml, size_t BH, int D,
+                                             int nsplit, const size_t* hr, const int* dd,
+                                             const bool* in, float* o, float* lse) {
+    MergeSums<IT> r;
+    merge_parts<IT>(part_acc, part_ml, BH, D, nsplit, 0, 0, hr, dd, in, r);
 #pragma unroll
     for (int k = 0; k < IT; k++) {
         const float nan = __int_as_float(0x7fc00000);
-        o[k] = any_nan[k] ? nan : num[k] / den[k];
-        lse[k] = any_nan[k] ? nan : den[k] > 0.f ? M[k] + __logf(den[k]) : neg_inf();
+        o[k] = r.nan[k] ? nan : r.a0[k] / r.den[k];
+        lse[k] = r.nan[k] ? nan : r.den[k] > 0.f ? r.M[k] + __logf(r.den[k]) : neg_inf();
     }
 }
 

@@ -69,8 +69,8 @@ __device__ __forceinline__ void warp_merge_last(
         dd[k] = i % D;
         in[k] = i / D < gn;
     }
-    merge_splits<IT>(part_acc, part_ml, hstride, D, live, hr, dd, in, o, l);
     if constexpr (!WIN) {
+        merge_splits<IT>(part_acc, part_ml, hstride, D, live, hr, dd, in, o, l);
 #pragma unroll
         for (int k = 0; k < IT; k++) {
             if (!in[k]) continue;
@@ -86,24 +86,31 @@ __device__ __forceinline__ void warp_merge_last(
             out[(hb + i / D) * D + i % D] = from_f<T>(o_s[i] * nrm * signs[i % D]);
         return;
     }
-    // With a window: rotate back first, then merge with the window's partials.
+    // With a window: the quantized splits and the window's (splits nsplit, nsplit + 1, ...;
+    // window.cuh) in one pass, under one max and one sum; the quantized part's weighted V is
+    // rotated back (linear, so before normalizing) and added to the window's. A query whose
+    // quantized part is empty takes the window alone (its quantized split carries NaN).
+    const bool qempty = w.info[(size_t)b * 8 + 7] != 0;
+    MergeSums<IT> r;
+    merge_parts<IT>(part_acc, part_ml, hstride, D, qempty ? 0 : live, nsplit, w.splits, hr, dd, in,
+                    r);
     if (tid == 0) counters[cidx] = 0;
     if (rotated) {
 #pragma unroll
         for (int k = 0; k < IT; k++)
-            if (in[k]) o_s[tid + k * QW * 32] = o[k];
+            if (in[k]) o_s[tid + k * QW * 32] = r.a0[k];
         __syncthreads();
         fwht<D>(o_s, gn, tid, blockDim.x);
         const float nrm = inv_sqrt_d(D);
 #pragma unroll
         for (int k = 0; k < IT; k++)
-            if (in[k]) o[k] = o_s[tid + k * QW * 32] * nrm * signs[dd[k]];
+            if (in[k]) r.a0[k] = o_s[tid + k * QW * 32] * nrm * signs[dd[k]];
     }
-    window_merge<IT>(w.info[(size_t)b * 8 + 7] != 0, part_acc, part_ml, (size_t)nsplit * hstride,
-                     hstride, w.splits, D, hr, dd, in, l, o);
 #pragma unroll
-    for (int k = 0; k < IT; k++)
-        if (in[k]) out[hr[k] * D + dd[k]] = from_f<T>(o[k]);
+    for (int k = 0; k < IT; k++) {
+        const float v = r.nan[k] ? __int_as_float(0x7fc00000) : (r.a0[k] + r.a1[k]) / r.den[k];
+        if (in[k]) out[hr[k] * D + dd[k]] = from_f<T>(v);
+    }
 }
 
 // A window block (window.cuh) of this head chunk, beside the quantized splits: the partial of
@@ -155,8 +162,9 @@ template <bool MMA> struct SeqBlocks {
     }
 };
 
-// VB: the width of the value codes when it differs from the keys' B (SIMT only: keys one bit
-// wider than values, the splits of --kv-bits 2.5 … 5.5); the steps that read V take it. WIN: the
+// VB: the width of the value codes when it differs from the keys' B (keys one bit wider than
+// values, the splits of --kv-bits 2.5 … 5.5: SIMT, and 4-bit keys over 3-bit values on tensor
+// cores, whose V takes the lanes); the steps that read V take it, with V's shape SV. WIN: the
 // instance with --kv-residual's window blocks (window.cuh); the plain instances are compiled
 // without them, whose code cost the tensor-core kernels 3–5% at head_dim 128 even unused (H200,
 // 4 × 8 KV heads at 16K: 0.053–0.055 → 0.056 ms).
@@ -171,9 +179,13 @@ __device__ __forceinline__ void qdecode_impl(
     int rotated, T* __restrict__ out, unsigned* __restrict__ counters, int nsplit,
     const WinRows w) {
     using S = QShape<T, B, D, GS>;
-    static_assert(VB == B || GS == 0, "mixed widths take the SIMT steps");
-    constexpr bool MMA = S::MMA, VMMA = S::VMMA, SREG = S::SREG;
-    constexpr int HB = S::HB, NCH = S::NCH, LPR = S::LPR, NG = S::NG, KST = S::KST, STG = S::STG;
+    using SV = QShape<T, VB, D, GS>;
+    static_assert(VB == B || GS == 0 || (B == 4 && VB == 3), "mixed widths on tensor cores: K4/V3");
+    constexpr bool MMA = S::MMA, VMMA = SV::VMMA, SREG = S::SREG;
+    constexpr int HB = S::HB, NCH = S::NCH, LPR = S::LPR, NG = S::NG, KST = S::KST;
+    // One staged tile: K and V codes, then the four scale rows (S::STG when VB == B).
+    constexpr int SCL = 32 * (HB + SV::HB);
+    constexpr int STG = MMA ? SCL + 32 * 4 * S::SB : S::STG;
     const unsigned FULL = 0xffffffffu;
     if (MMA) group = GS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -226,8 +238,8 @@ __device__ __forceinline__ void qdecode_impl(
     const uint32_t stride = QW * 32;
     unsigned short sreg[4] = {0, 0, 0, 0};
     auto stage = [&](int buf, uint32_t hr, bool ok) {
-        warp_stage<T, B, D, GS>(stage_s + (warp * 2 + buf) * STG, lane, hr, ok, kcb, vcb, ks, kb,
-                                vs, vb, sreg);
+        warp_stage<T, B, D, GS, VB>(stage_s + (warp * 2 + buf) * STG, lane, hr, ok, kcb, vcb, ks,
+                                    kb, vs, vb, sreg);
     };
     uint32_t q0 = 0, q1 = 0, blk1 = 0, hrow = 0;
     bool valid = false;
@@ -240,9 +252,9 @@ __device__ __forceinline__ void qdecode_impl(
     const float qexp = warp_load_q<T, B, D, GS>(q, scale, signs, rotated, b, H, kh, G, j0, gn,
                                                 bad_seq, q_s, qsum_s, qa_s, qmax_s, bad_s);
     // qsum per group (tensor-core path), for the bias term; the warp's softmax state.
-    float qsg[NG], m_w[QG], l_w[QG], acc[S::AR][8], accb[S::AR];
-    float cv[S::CR][4], accb_c = 0.f;  // tensor-core V: C tiles, bias of column gq
-    warp_start<T, B, D, GS>(tq, qsum_s, qsg, m_w, l_w, acc, accb, cv);
+    float qsg[NG], m_w[QG], l_w[QG], acc[SV::AR][8], accb[SV::AR];
+    float cv[SV::CR][4], accb_c = 0.f;  // tensor-core V: C tiles, bias of column gq
+    warp_start<T, VB, D, GS>(tq, qsum_s, qsg, m_w, l_w, acc, accb, cv);
 
     if (!bad_seq) {
         int buf = 0;
@@ -257,7 +269,7 @@ __device__ __forceinline__ void qdecode_impl(
             unsigned vmask = 0;
             if constexpr (MMA) {
                 if constexpr (SREG) {
-                    unsigned short* d = reinterpret_cast<unsigned short*>(const_cast<unsigned char*>(st) + 64 * HB);
+                    unsigned short* d = reinterpret_cast<unsigned short*>(const_cast<unsigned char*>(st) + SCL);
 #pragma unroll
                     for (int a = 0; a < 4; a++) d[a * 32 + lane] = sreg[a];
                 }
@@ -271,7 +283,7 @@ __device__ __forceinline__ void qdecode_impl(
             }
             const unsigned char* sK = st;
             const unsigned char* sV = st + 32 * HB;
-            const T* sKS = reinterpret_cast<const T*>(st + 64 * HB);
+            const T* sKS = reinterpret_cast<const T*>(st + SCL);
             const T* sKB = sKS + 32 * NG;
             const T* sVS = sKB + 32 * NG;
             const T* sVB = sVS + 32 * NG;
@@ -286,7 +298,7 @@ __device__ __forceinline__ void qdecode_impl(
             } else {
                 float sv[2][2];
                 warp_scores_mma<T, B, D, GS>(lane, gq, tq, vmask, sK, sKS, sKB, qa_s, qexp, qsg, sv);
-                warp_softmax_mma<T, B, D, GS>(sv, gq, tq, m_w, l_w, acc, accb, cv, accb_c, pm);
+                warp_softmax_mma<T, VB, D, GS>(sv, gq, tq, m_w, l_w, acc, accb, cv, accb_c, pm);
             }
             if constexpr (VMMA)
                 warp_values_mma<T, B, D, GS>(pm, gq, tq, vmask, sV, sVS, sVB, cv, accb_c);
@@ -302,7 +314,7 @@ __device__ __forceinline__ void qdecode_impl(
         }
         if constexpr (MMA) cp_async_wait<0>();  // nothing lands after the stages turn into wacc
     }
-    warp_totals<T, B, D, GS>(lane, warp, gq, tq, c8, bad_row, m_w, l_w, acc, accb, cv, accb_c, wm_s,
+    warp_totals<T, VB, D, GS>(lane, warp, gq, tq, c8, bad_row, m_w, l_w, acc, accb, cv, accb_c, wm_s,
                              wl_s, bad_s, wacc);
     __syncthreads();
     warp_combine<D>(tid, split, Bn, b, H, kh, G, j0, gn, bad_s, wm_s, wl_s, wacc, part_acc,

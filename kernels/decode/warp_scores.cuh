@@ -72,13 +72,14 @@ __device__ __forceinline__ float warp_load_q(
 // Staging: one tile's rows (this lane's position: hr, ok) into the stage at st; zero-size copies
 // for positions outside the split. Codes: CPR lanes per row, 16 bytes each; scales: one lane per
 // row (into sreg when SREG, stored once the tile is due).
-template <typename T, int B, int D, int GS>
+template <typename T, int B, int D, int GS, int VB = B>
 __device__ __forceinline__ void warp_stage(
     unsigned char* st, int lane, uint32_t hr, bool ok, const unsigned char* kcb,
     const unsigned char* vcb, const T* ks, const T* kb, const T* vs, const T* vb,
     unsigned short (&sreg)[4]) {
     using S = QShape<T, B, D, GS>;
     constexpr int HB = S::HB, NG = S::NG, CPR = S::CPR, SB = S::SB;
+    constexpr int HBV = QShape<T, VB, D, GS>::HB;  // V code bytes of a row
     constexpr bool SREG = S::SREG;
     const unsigned FULL = 0xffffffffu;
 #pragma unroll
@@ -87,16 +88,29 @@ __device__ __forceinline__ void warp_stage(
         const uint32_t h = __shfl_sync(FULL, hr, r);
         const bool o = __shfl_sync(FULL, ok, r);
         cp_async16(st + stage_off<HB>(r, c * 16), kcb + (size_t)h * HB + c * 16, o);
-        cp_async16(st + 32 * HB + stage_off<HB>(r, c * 16), vcb + (size_t)h * HB + c * 16, o);
+        if constexpr (VB == B)
+            cp_async16(st + 32 * HB + stage_off<HB>(r, c * 16), vcb + (size_t)h * HB + c * 16, o);
+    }
+    if constexpr (VB != B) {
+        // Narrower values: rows of HBV bytes in plain order, in 8-byte pieces (HBV = 3·D/8).
+        static_assert(HBV % 8 == 0, "V rows of whole 8-byte pieces");
+        constexpr int CPV = HBV / 8;
+#pragma unroll
+        for (int i = 0; i < CPV; i++) {
+            const int idx = i * 32 + lane, r = idx / CPV, c = idx % CPV;
+            const uint32_t h = __shfl_sync(FULL, hr, r);
+            const bool o = __shfl_sync(FULL, ok, r);
+            cp_async_small<8>(st + 32 * HB + r * HBV + c * 8, vcb + (size_t)h * HBV + c * 8, o);
+        }
     }
     const T* src[4] = {ks, kb, vs, vb};
+    unsigned char* sp = st + 32 * (HB + HBV);  // scales and biases
 #pragma unroll
     for (int a = 0; a < 4; a++) {
         if constexpr (SREG) {
             sreg[a] = ok ? reinterpret_cast<const unsigned short*>(src[a])[hr] : 0;
         } else {
-            cp_async_small<(SREG ? 4 : SB)>(st + 64 * HB + (a * 32 + lane) * SB,
-                                            src[a] + (size_t)hr * NG, ok);
+            cp_async_small<(SREG ? 4 : SB)>(sp + (a * 32 + lane) * SB, src[a] + (size_t)hr * NG, ok);
         }
     }
     cp_async_commit();

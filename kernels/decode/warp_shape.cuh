@@ -62,7 +62,9 @@ template <typename T, int B, int D, int GS> struct QShape {
     // 8 columns = (group, head) and P' = weight · that group's scale, so each group's scales
     // enter through its own columns; a dim keeps the column of its own group. A lane reads
     // bytes [gq·BPL, (gq+1)·BPL) of its positions' rows: dims [gq·D/8, (gq+1)·D/8).
-    static constexpr bool VMMA = MMA && NG <= 2;
+    // Only the widths the tensor-core kernels have (4, 8); a narrower V beside 4-bit keys
+    // (--kv-bits 3.5) takes the lanes, reading its staged rows in plain order (warp_stage).
+    static constexpr bool VMMA = MMA && NG <= 2 && (B == 4 || B == 8);
     static constexpr int MT = D / 16;  // m-tiles of 16 dims
     static constexpr int BPL = HB / 8;  // bytes per lane and position
     static constexpr int VW = (BPL + 3) / 4;
@@ -73,7 +75,7 @@ template <typename T, int B, int D, int GS> struct QShape {
     static constexpr int CPR = HB / 16;  // 16-byte chunks per code row
     static constexpr int CPW = 32 / B;  // codes per 32-bit word
     static constexpr int SB = NG * (int)sizeof(T);  // bytes of a row's scales (or biases)
-    static constexpr int STG = 32 * (2 * HB + 4 * SB);  // bytes of one staged tile
+    static constexpr int STG = 32 * (2 * HB + 4 * SB);  // bytes of one staged tile (VB = B)
     static constexpr bool SREG = SB < 4;
     // Accumulator rows kept per lane: one per head, or a single unused row with tensor-core V.
     static constexpr int AR = VMMA ? 1 : QG;

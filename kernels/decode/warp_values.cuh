@@ -156,7 +156,9 @@ for (int st = 0; st < 32 / RPS; st++) {
     float sc, bi;
     if constexpr (MMA) {  // from the staged tile
         ok = (vmask >> r) & 1;
-        win = load_codes8<B>(sV + stage_off<HB>(r, c8 * B));
+        // A width without tensor-core V (3-bit values beside 4-bit keys) is staged in plain order.
+        constexpr bool PLAIN = B != 4 && B != 8;
+        win = load_codes8<B>(sV + (PLAIN ? r * HB + c8 * B : stage_off<HB>(r, c8 * B)));
         const int gidx = r * NG + (c8 * 8) / GS;
         sc = ok ? to_f(sVS[gidx]) * TWO_B : 0.f;
         bi = ok ? to_f(sVB[gidx]) : 0.f;

@@ -1,8 +1,8 @@
 // kvq: --kv-residual's dense rows inside the warp kernel (warp.cuh), as more splits: the blocks
 // at split indices nsplit, nsplit + 1, ... (WinRows::splits of them) attend a query row's sinks
 // and window (residual.cuh's WinRows, f16 copies), WIN_ROWS rows each, while the other blocks
-// attend its quantized positions, and the last block to finish merges both parts, each by its
-// own log-sum-exp. One launch instead of the quantized kernel followed by residual_merge: the
+// attend its quantized positions, and the last block to finish merges all their partials in one
+// pass (warp.cuh, warp_merge_last). One launch instead of the quantized kernel followed by residual_merge: the
 // dense rows cost a few blocks beside the others, each as short as a quantized one (one round
 // trip for its rows), not a second kernel's latency after them.
 #pragma once
@@ -122,41 +122,4 @@ __device__ __noinline__ void window_split(const T* __restrict__ q, float scale,
         for (int e = 0; e < DL; e++) wacc(warp)[j][lane * DL + e] = acc[j][e];
     }
     if (tid == 0) bad_s = 0;
-}
-
-// Output k of the last block's merge (o[k], normalized, unrotated; its head's log-sum-exp
-// lq[k]) merged with the window's partials of the same head (`splits` of them, the first at
-// head row wbase + hr[k], one split every hstride rows): their (max md, sum zd, weighted V ad)
-// combined, then weights e^(lq − top) for o and e^(md − top) for the window's sums. A query
-// whose quantized part is empty takes the window alone (its quantized split carries NaN); one
-// without window rows keeps o.
-template <int IT>
-__device__ __forceinline__ void window_merge(bool qempty, const float* __restrict__ part_acc,
-                                             const float* __restrict__ part_ml, size_t wbase,
-                                             size_t hstride, int splits, int D, const size_t* hr,
-                                             const int* dd, const bool* in, const float* lq,
-                                             float* o) {
-#pragma unroll
-    for (int k = 0; k < IT; k++) {
-        if (!in[k]) continue;
-        float md = neg_inf(), zd = 0.f, ad = 0.f;
-        for (int s = 0; s < splits; s++) {
-            const size_t h = wbase + (size_t)s * hstride + hr[k];
-            const float m = __ldcg(&part_ml[h * 2]);
-            if (m == neg_inf()) continue;
-            const float z = __ldcg(&part_ml[h * 2 + 1]), a = __ldcg(&part_acc[h * D + dd[k]]);
-            const float top = fmaxf(md, m);
-            const float c = md == neg_inf() ? 0.f : __expf(md - top), e = __expf(m - top);
-            zd = zd * c + z * e;
-            ad = ad * c + a * e;
-            md = top;
-        }
-        if (qempty) {
-            o[k] = ad / zd;
-        } else if (md != neg_inf()) {
-            const float top = fmaxf(lq[k], md);
-            const float wq = __expf(lq[k] - top), wd = __expf(md - top);
-            o[k] = (wq * o[k] + wd * ad) / (wq + wd * zd);
-        }
-    }
 }

@@ -442,9 +442,10 @@ mod cuda {
     }
 
     /// Keys one bit wider than values (the `--kv-bits 2.5 … 5.5` splits) on the warp kernel's
-    /// mixed SIMT instances (`decode_q_*_b<K>v<V>_*`; the planner's unit test checks they are
-    /// the ones chosen) match the reference at head_dim 128 and 64, every group, GQA 1, 3, 8,
-    /// f32 and f16 scales.
+    /// mixed instances (SIMT `decode_q_*_b<K>v<V>_*`, and K4/V3 on tensor cores,
+    /// `decode_qm_*_b4v3_*`; the planner's unit test checks they are the ones chosen) match the
+    /// reference at head_dim 128 and 64, every group, GQA 1, 3, 8, f32 and f16 scales (f16
+    /// queries over f16 scales too: the warp kernel reads queries in the scales' type).
     #[test]
     fn cuda_keys_one_bit_wider_than_values_match_reference() {
         let dev = Device::new_cuda(0).expect("a CUDA device");
@@ -466,6 +467,10 @@ mod cuda {
                             let c = build_d(format, kvh, gqa, &seqs, DType::F32, seed, d);
                             let what = format!("K{kb}/V{vb} d {d} g {g} {sdt:?} gqa {gqa}");
                             check(&c, &dev, 1e-4, &what);
+                            if sdt == DType::F16 {
+                                let c = build_d(format, kvh, gqa, &seqs, sdt, seed, d);
+                                check(&c, &dev, 5e-3, &format!("{what}, f16 q"));
+                            }
                         }
                     }
                 }

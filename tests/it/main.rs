@@ -35,6 +35,7 @@ mod perplexity_cli;
 mod prompt_cache;
 mod quant_golden;
 mod quant_ops;
+mod quant_side;
 mod refusals;
 mod serve_api;
 mod serve_load;

@@ -423,10 +423,19 @@ fn rotated_write_refuses_other_mixed_pairs() {
     let rows = SlotRows::new(vec![0, 1]);
     for (k, v) in [(8, 4), (4, 5), (6, 4)] {
         let (pk, pv) = (pool(f(k)), pool(f(v)));
-        let e =
-            format::quantize_rotated_into_rows(&x, &x, (f(k), f(v)), &pk, &pv, &rows, &signs, 128)
-                .unwrap_err()
-                .to_string();
+        let e = format::quantize_rotated_into_rows(
+            &x,
+            &x,
+            (f(k), f(v)),
+            &pk,
+            &pv,
+            &rows,
+            &signs,
+            128,
+            Default::default(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains(&format!(
                 "no fused kernel for {k}-bit g64 keys with {v}-bit g64 values"
@@ -485,8 +494,18 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
             let xk = sample(&[6, width], in_dtype, 2.0).to_device(&dev).unwrap();
             let xv = sample(&[6, width], in_dtype, 0.5).to_device(&dev).unwrap();
             let fmts = (fmt, vfmt);
-            format::quantize_rotated_into_rows(&xk, &xv, fmts, &fk, &fv, &rows, rot.signs(), hd)
-                .unwrap();
+            format::quantize_rotated_into_rows(
+                &xk,
+                &xv,
+                fmts,
+                &fk,
+                &fv,
+                &rows,
+                rot.signs(),
+                hd,
+                Default::default(),
+            )
+            .unwrap();
             format::quantize_into_rows(&rot.rotate(&xk).unwrap(), fmt, Fit::MinMax, &rk, &rows)
                 .unwrap();
             format::quantize_into_rows(&rot.rotate(&xv).unwrap(), vfmt, Fit::MinMax, &rv, &rows)
@@ -554,6 +573,7 @@ fn cuda_quantize_rotated_into_rows_matches_rotate_then_quantize() {
             &rows,
             &xk, // signs that are not one head vector
             hd,
+            Default::default(),
         )
         .unwrap_err();
         assert!(e.to_string().contains("signs"), "{e}");

@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor};
 #[cfg(feature = "cuda")]
 use super::SeqId;
 use super::{CacheError, PagedKvCache, Result};
-use crate::kv::format::{LayerKv, SlotRows};
+use crate::kv::format::{DenseCopies, LayerKv, SideWrites, SlotRows};
 
 /// Where a captured decode step's rows go, on the device (`kv::attend::FixedStep` fills them).
 pub struct FixedWrites {
@@ -41,6 +41,30 @@ impl PagedKvCache {
                 ))
             }
         };
+        let rot = self.rotation(layer, true);
+        let storage = self.layer_storage(layer, true);
+        if let Some(r) = rot {
+            // One launch: the pool's rows, the centring and the dense copies together.
+            let pools = self.fixed_copies(layer)?;
+            let copies = match (&pools, &w.rings) {
+                (Some((pk, pv)), Some((ring, sink))) => Some(DenseCopies {
+                    k: pk,
+                    v: pv,
+                    rows: ring,
+                    sinks: sink,
+                }),
+                _ => None,
+            };
+            if pools.is_none() || copies.is_some() {
+                let side = SideWrites {
+                    means: means.as_ref(),
+                    copies,
+                };
+                if storage.write_slots_fused(&w.slots, k, v, r, side)? {
+                    return Ok(());
+                }
+            }
+        }
         let k = match self.residual(layer) {
             0 => match &means {
                 // As `centred`: the means in the keys' dtype (already), then the difference.
@@ -49,10 +73,19 @@ impl PagedKvCache {
             },
             _ => self.write_rings_fixed(layer, w, means.as_ref(), k, v)?,
         };
-        let rot = self.rotation(layer, true);
-        Ok(self
-            .layer_storage(layer, true)
-            .write_slots_on_device(&w.slots, &k, v, rot)?)
+        Ok(storage.write_slots_on_device(&w.slots, &k, v, rot)?)
+    }
+
+    /// The f16 pools of `layer`'s dense copies (`None` where it keeps none).
+    fn fixed_copies(&self, layer: usize) -> Result<Option<(Tensor, Tensor)>> {
+        if self.residual(layer) == 0 {
+            return Ok(None);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.tails.device {
+            return r.pools(layer).map(Some);
+        }
+        Ok(None)
     }
 
     /// The dense copies' part of [`Self::write_fixed`]: the rows into the rings (keys centred

@@ -1,5 +1,6 @@
 //! Launches the fused CUDA kernels of `kernels/quant.cu` (one thread per 8 values).
 
+use super::ops::{DenseCopies, SideWrites};
 use super::quantized::{with_last, wrap, Quantized};
 use super::{QuantError, QuantFormat};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -265,7 +266,7 @@ pub(super) fn dequantize(q: &Quantized, fmt: QuantFormat, d: usize, out: DType) 
 /// Rotates (`signs`, head_dim `hd` ∈ {64, 128}) and quantizes K and V (`[n, d]`, f32 or the
 /// pools' dtype) into rows
 /// `rows` of `dk` / `dv` in one launch (`quantize_rot_rows_*`). The caller has checked shapes,
-/// bounds and that both pools share `fmt` and dtype.
+/// bounds and that both pools share `fmt` and dtype; `side` (checked too) rides along.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn quantize_rot_into_rows(
     xk: &Tensor,
@@ -276,9 +277,12 @@ pub(super) fn quantize_rot_into_rows(
     rows: &Tensor,
     signs: &Tensor,
     hd: usize,
+    side: SideWrites,
 ) -> Result<()> {
     let (xk, xv) = (aligned(xk)?, aligned(xv)?);
     let (d, n) = (xk.dim(1)?, xk.elem_count());
+    let means = side.means.map(|m| m.contiguous()).transpose()?;
+    #[allow(clippy::too_many_arguments)]
     fn run<I: CudaDType + DeviceRepr, T: CudaDType + DeviceRepr>(
         x: [&Tensor; 2],
         pools: [&Quantized; 2],
@@ -286,6 +290,8 @@ pub(super) fn quantize_rot_into_rows(
         rows: &Tensor,
         signs: &Tensor,
         (hd, d, n): (usize, usize, usize),
+        means: Option<&Tensor>,
+        copies: Option<DenseCopies>,
     ) -> Result<()> {
         let (kst, k1, k2) = cuda_parts(x[0])?;
         let (vst, v1, v2) = cuda_parts(x[1])?;
@@ -346,6 +352,39 @@ pub(super) fn quantize_rot_into_rows(
             .arg(&rows_dev)
             .arg(&cpr)
             .arg(&signs_dev);
+        // The side writes, null where absent (their views live until the launch).
+        let null = 0u64;
+        let ms = means.map(cuda_parts).transpose()?;
+        let mv = match &ms {
+            Some((st, a, z)) => Some(as_cuda(st)?.as_cuda_slice::<I>()?.slice(*a..*z)),
+            None => None,
+        };
+        match &mv {
+            Some(m) => b.arg(m),
+            None => b.arg(&null),
+        };
+        let cs = copies.map(|c| [c.k, c.v, c.rows, c.sinks].map(|t| t.storage_and_layout()));
+        let cv = match &cs {
+            Some([(ks, kl), (vs, vl), (rs, rl), (ss, sl)]) => Some((
+                as_cuda(ks)?
+                    .as_cuda_slice::<f16>()?
+                    .slice(kl.start_offset()..),
+                as_cuda(vs)?
+                    .as_cuda_slice::<f16>()?
+                    .slice(vl.start_offset()..),
+                as_cuda(rs)?
+                    .as_cuda_slice::<u32>()?
+                    .slice(rl.start_offset()..),
+                as_cuda(ss)?
+                    .as_cuda_slice::<u32>()?
+                    .slice(sl.start_offset()..),
+            )),
+            None => None,
+        };
+        match &cv {
+            Some((ck, cvv, cr, csk)) => b.arg(ck).arg(cvv).arg(cr).arg(csk),
+            None => b.arg(&null).arg(&null).arg(&null).arg(&null),
+        };
         let mut cfg = launch_cfg(n / 8, 1);
         cfg.grid_dim.1 = 2;
         unsafe { b.launch(cfg) }?;
@@ -353,12 +392,13 @@ pub(super) fn quantize_rot_into_rows(
     }
     let sizes = (hd, d, n);
     let (x, pools, fmts) = ([&xk, &xv], [dk, dv], (fmt, vfmt));
+    let (m, c) = (means.as_ref(), side.copies);
     match (xk.dtype(), dk.scales.dtype()) {
-        (DType::F32, DType::F32) => run::<f32, f32>(x, pools, fmts, rows, signs, sizes),
-        (DType::F32, DType::F16) => run::<f32, f16>(x, pools, fmts, rows, signs, sizes),
-        (DType::F32, DType::BF16) => run::<f32, bf16>(x, pools, fmts, rows, signs, sizes),
-        (DType::F16, DType::F16) => run::<f16, f16>(x, pools, fmts, rows, signs, sizes),
-        (DType::BF16, DType::BF16) => run::<bf16, bf16>(x, pools, fmts, rows, signs, sizes),
+        (DType::F32, DType::F32) => run::<f32, f32>(x, pools, fmts, rows, signs, sizes, m, c),
+        (DType::F32, DType::F16) => run::<f32, f16>(x, pools, fmts, rows, signs, sizes, m, c),
+        (DType::F32, DType::BF16) => run::<f32, bf16>(x, pools, fmts, rows, signs, sizes, m, c),
+        (DType::F16, DType::F16) => run::<f16, f16>(x, pools, fmts, rows, signs, sizes, m, c),
+        (DType::BF16, DType::BF16) => run::<bf16, bf16>(x, pools, fmts, rows, signs, sizes, m, c),
         (_, other) => Err(QuantError::DType {
             op: "quantize_rot_into_rows",
             dtype: other,

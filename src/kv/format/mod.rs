@@ -30,8 +30,8 @@ pub use affine::{QuantError, QuantFormat};
 pub use fit::Fit;
 pub use ops::{
     dequantize, dequantize_as, fused_rotation, quantize, quantize_as, quantize_fitted,
-    quantize_into, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, Quantized,
-    SlotRows,
+    quantize_into, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, DenseCopies,
+    Quantized, SideWrites, SlotRows,
 };
 pub use storage::{LayerKv, LayerRows};
 pub use widths::KvWidths;

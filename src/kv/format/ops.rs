@@ -316,6 +316,67 @@ fn check_slots(rows: &[u32], n: usize, pool_rows: usize, op: &'static str) -> Re
     Ok(())
 }
 
+/// What a captured decode step writes in the same launch as its rows into the pool
+/// ([`quantize_rotated_into_rows`]), instead of a kernel of its own per layer: keys minus
+/// `means` (`[n, d]`, the rows' dtype, subtracted in that dtype) before they are rotated and
+/// quantized (`--kv-center`), and K and V as they then are, unrotated, into f16 dense copies
+/// (`--kv-residual`).
+#[derive(Clone, Copy, Default)]
+pub struct SideWrites<'a> {
+    pub means: Option<&'a Tensor>,
+    pub copies: Option<DenseCopies<'a>>,
+}
+
+/// Input row `i` of K and V as f16 into rows `rows[i]` and `sinks[i]` (u32 `[n]`; equal for a
+/// row that is no sink) of the f16 pools `k`, `v` (`[pool rows, d]`).
+#[derive(Clone, Copy)]
+pub struct DenseCopies<'a> {
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub rows: &'a Tensor,
+    pub sinks: &'a Tensor,
+}
+
+impl SideWrites<'_> {
+    /// Shapes and dtypes against the rows `k` (`[n, d]`); the copies' row numbers are on the
+    /// device and not checked here (the cache computes them).
+    fn check(&self, k: &Tensor, op: &'static str) -> Result<()> {
+        let shape_err =
+            |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
+        let (n, d) = k.dims2()?;
+        if let Some(m) = self.means {
+            if m.dims() != k.dims() || m.dtype() != k.dtype() {
+                return Err(shape_err(format!(
+                    "key means {:?} {:?} for rows {:?} {:?}",
+                    m.shape(),
+                    m.dtype(),
+                    k.shape(),
+                    k.dtype()
+                )));
+            }
+        }
+        if let Some(c) = &self.copies {
+            let pools_fit = [c.k, c.v].iter().all(|p| {
+                p.dtype() == DType::F16
+                    && p.is_contiguous()
+                    && p.rank() == 2
+                    && p.dim(1).ok() == Some(d)
+            }) && c.k.dims() == c.v.dims();
+            let rows_fit = [c.rows, c.sinks]
+                .iter()
+                .all(|r| r.dims() == [n] && r.dtype() == DType::U32 && r.is_contiguous());
+            if !pools_fit || !rows_fit || c.k.dim(0)? == 0 {
+                return Err(shape_err(format!(
+                    "dense copies of {n} rows of {d} values into pools {:?} at rows {:?}",
+                    c.k.shape(),
+                    c.rows.shape()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Whether [`quantize_rotated_into_rows`] has a fused kernel for rows like `x` into a pool of
 /// `pool_dtype`: CUDA, rows in f32 or the pool's dtype, head_dim 64 or 128.
 pub fn fused_rotation(x: &Tensor, pool_dtype: DType, head_dim: usize) -> bool {
@@ -331,6 +392,7 @@ pub fn fused_rotation(x: &Tensor, pool_dtype: DType, head_dim: usize) -> bool {
 /// step's write costs one kernel per layer instead of two matmuls, two casts and two quantize
 /// launches. Only where [`fused_rotation`] holds; K in `kfmt`, V in `vfmt`: one format, or keys
 /// one bit wider ([`QuantFormat::one_bit_wider`]).
+/// `side`: what a captured decode step writes in the same launch ([`SideWrites`]).
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_rotated_into_rows(
     k: &Tensor,
@@ -341,9 +403,11 @@ pub fn quantize_rotated_into_rows(
     slots: &SlotRows,
     signs: &Tensor,
     head_dim: usize,
+    side: SideWrites,
 ) -> Result<()> {
     let op = "quantize_rotated_into_rows";
     let shape_err = |msg: String| -> candle_core::Error { QuantError::Shape { op, msg }.into() };
+    side.check(k, op)?;
     if kfmt != vfmt && !QuantFormat::one_bit_wider(kfmt, vfmt) {
         return Err(shape_err(format!(
             "no fused kernel for {}-bit g{} keys with {}-bit g{} values",
@@ -386,7 +450,8 @@ pub fn quantize_rotated_into_rows(
     {
         let signs = signs.to_dtype(DType::F32)?.contiguous()?;
         let fmts = (kfmt, vfmt);
-        cuda::quantize_rot_into_rows(k, v, fmts, dk, dv, &slots.on(k.device())?, &signs, head_dim)
+        let rows = slots.on(k.device())?;
+        cuda::quantize_rot_into_rows(k, v, fmts, dk, dv, &rows, &signs, head_dim, side)
     }
     #[cfg(not(feature = "cuda"))]
     Err(shape_err("kvq was built without the cuda feature".into()))

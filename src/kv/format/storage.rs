@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::ops::{
     dequantize_as, fused_rotation, quantize_into_rows, quantize_rotated_into_rows,
-    quantize_rows_into, slot_runs, Quantized, SlotRows,
+    quantize_rows_into, slot_runs, Quantized, SideWrites, SlotRows,
 };
 use super::rotation::Rotation;
 use super::{Fit, KvFormat, QuantFormat};
@@ -161,32 +161,51 @@ impl LayerKv {
         v: &Tensor,
         rot: &Rotation,
     ) -> Result<()> {
-        if let LayerKv::Affine {
+        if self.write_slots_fused(rows, k, v, rot, SideWrites::default())? {
+            return Ok(());
+        }
+        self.write_slots(rows, &rot.rotate(k)?, &rot.rotate(v)?)
+    }
+
+    /// The fused launch of [`LayerKv::write_slots_rotated`] with a captured step's `side`
+    /// writes in it; `false` (nothing written) where this layer has no such kernel.
+    pub fn write_slots_fused(
+        &self,
+        rows: &SlotRows,
+        k: &Tensor,
+        v: &Tensor,
+        rot: &Rotation,
+        side: SideWrites,
+    ) -> Result<bool> {
+        let LayerKv::Affine {
             kfmt,
             vfmt,
             k: qk,
             v: qv,
             ..
         } = self
+        else {
+            return Ok(false);
+        };
+        if !((kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt))
+            && qk.scales.dtype() == qv.scales.dtype()
+            && k.dtype() == v.dtype()
+            && fused_rotation(k, qk.scales.dtype(), rot.head_dim()))
         {
-            if (kfmt == vfmt || QuantFormat::one_bit_wider(*kfmt, *vfmt))
-                && qk.scales.dtype() == qv.scales.dtype()
-                && k.dtype() == v.dtype()
-                && fused_rotation(k, qk.scales.dtype(), rot.head_dim())
-            {
-                return quantize_rotated_into_rows(
-                    k,
-                    v,
-                    (*kfmt, *vfmt),
-                    qk,
-                    qv,
-                    rows,
-                    rot.signs(),
-                    rot.head_dim(),
-                );
-            }
+            return Ok(false);
         }
-        self.write_slots(rows, &rot.rotate(k)?, &rot.rotate(v)?)
+        quantize_rotated_into_rows(
+            k,
+            v,
+            (*kfmt, *vfmt),
+            qk,
+            qv,
+            rows,
+            rot.signs(),
+            rot.head_dim(),
+            side,
+        )?;
+        Ok(true)
     }
 
     /// K and V of `slots` (u32 `[n]`) as dense `[n, width]` tensors of `dtype` — quantized

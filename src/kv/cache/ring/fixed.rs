@@ -96,13 +96,19 @@ impl Rings {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Tensor> {
+        let (pk, pv) = self.pools(layer)?;
+        Ok(ring_write((k, v), means, (&pk, &pv), (ring, sink))?)
+    }
+
+    /// The f16 pools of `layer`'s copies (K, V), for a write that fills them itself.
+    pub(in crate::kv::cache) fn pools(&self, layer: usize) -> Result<(Tensor, Tensor)> {
         let st = self.lock();
-        let Some(Some(l)) = st.layers.get(layer) else {
-            return Err(CacheError::Rows(format!(
+        match st.layers.get(layer) {
+            Some(Some(l)) => Ok((l.k.clone(), l.v.clone())),
+            _ => Err(CacheError::Rows(format!(
                 "layer {layer} keeps no dense copies"
-            )));
-        };
-        Ok(ring_write((k, v), means, (&l.k, &l.v), (ring, sink))?)
+            ))),
+        }
     }
 
     /// Books the rows a captured step wrote (one new row per `(sequence, position)`) as

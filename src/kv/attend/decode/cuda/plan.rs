@@ -36,11 +36,17 @@ pub(super) const MAX_HEAD_DIM: usize = 512;
 pub(super) const QW: usize = 4;
 
 /// Dynamic shared memory of a tensor-core kernel: per warp two staged tiles of 32 rows, each row
-/// its K and V codes and its K and V scales and biases (STG in kernels/decode/warp_shape.cuh).
-pub(super) fn stage_bytes(head_dim: usize, bits: usize, group: usize, scale_bytes: usize) -> usize {
-    let codes = head_dim * bits / 8;
+/// its K and V codes (`bits`: K and V widths) and its K and V scales and biases (STG in
+/// kernels/decode/warp.cuh).
+pub(super) fn stage_bytes(
+    head_dim: usize,
+    (kbits, vbits): (usize, usize),
+    group: usize,
+    scale_bytes: usize,
+) -> usize {
+    let codes = head_dim * (kbits + vbits) / 8;
     let scales = head_dim / group * scale_bytes;
-    QW * 2 * 32 * (2 * codes + 4 * scales)
+    QW * 2 * 32 * (codes + 4 * scales)
 }
 
 /// Streaming multiprocessors of the device (asked once; every GPU of a host is alike here).
@@ -116,7 +122,9 @@ pub(super) struct Choice {
 
 /// Quantized pools with one width for K and V, or keys one bit wider than values
 /// ([`QuantFormat::one_bit_wider`]), and head_dim 64 or 128 take the warp-independent kernel: with tensor-core
-/// scores for 4 and 8 bits of one width (decode_qm_*), SIMT otherwise (decode_q_*);
+/// scores for 4 and 8 bits of one width and for 4-bit keys over 3-bit values (decode_qm_*,
+/// `--kv-bits 3.5`: its V by the lanes; H200, default model's shape at 16K, and 4 × 8 KV
+/// heads × 128: see README), SIMT otherwise (decode_q_*);
 /// so do dense f16 / bf16 pools at head_dim 64 (SIMT, decode_q_*_b16_*; H100, default model,
 /// f16: 512 × 1 1,193–1,199 against 927–929 tok/s, 4096 × 64 14.2K against 8.4K;
 /// KVQ_CUDA_DECODE=dense-block keeps them on the block-wide dense kernel for A/B).
@@ -143,9 +151,14 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         }
     };
     let mma = match kv {
+        // One width of 4 or 8 bits, or 4-bit keys over 3-bit values (V by the lanes).
         LayerKv::Affine { kfmt, vfmt, .. } => {
-            warp && kfmt == vfmt
-                && matches!(kfmt.bits(), 4 | 8)
+            let widths = match (kfmt.bits(), vfmt.bits()) {
+                (k, v) if k == v => matches!(k, 4 | 8),
+                (k, v) => (k, v) == (4, 3),
+            };
+            warp && widths
+                && kfmt.group_size() == vfmt.group_size()
                 && kfmt.group_size() <= d
                 && choice != "v2"
         }
@@ -164,7 +177,9 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         } => {
             let t = dtype_name(k.scales.dtype())?;
             let (bits, g) = (fmt.bits(), fmt.group_size());
-            if mma {
+            if mma && fmt != vfmt {
+                format!("decode_qm_{t}_b{bits}v{}_d{d}_g{g}", vfmt.bits())
+            } else if mma {
                 format!("decode_qm_{t}_b{bits}_d{d}_g{g}")
             } else if warp && fmt != vfmt {
                 format!("decode_q_{t}_b{bits}v{}_d{d}", vfmt.bits())
@@ -176,9 +191,9 @@ pub(super) fn choose(q: &Tensor, kv: &LayerKv, dims: &Dims) -> Result<Choice> {
         }
     };
     let smem = match kv {
-        LayerKv::Affine { kfmt, k, .. } if mma => stage_bytes(
+        LayerKv::Affine { kfmt, vfmt, k, .. } if mma => stage_bytes(
             d,
-            kfmt.bits() as usize,
+            (kfmt.bits() as usize, vfmt.bits() as usize),
             kfmt.group_size(),
             k.scales.dtype().size_in_bytes(),
         ),
@@ -249,8 +264,9 @@ mod tests {
     use candle_core::Device;
 
     /// Keys one bit wider than values take the warp kernel's SIMT instance named after both
-    /// widths; other mixed pairs, and f32 queries over half scales, do not take the warp kernel
-    /// (the caller sends them to the generic path).
+    /// widths, K4/V3 its tensor-core one (staging both widths); other mixed pairs, and f32
+    /// queries over half scales, do not take the warp kernel (the caller sends them to the
+    /// generic path).
     #[test]
     fn keys_one_bit_wider_take_the_mixed_warp_kernel() {
         let dims = Dims {
@@ -274,12 +290,16 @@ mod tests {
             LayerKv::zeros(format, 128, 256, &Device::Cpu).unwrap()
         };
         let q = |dt: DType| Tensor::zeros((1, 8, 128), dt, &Device::Cpu).unwrap();
-        for (k, v) in [(3, 2), (4, 3), (5, 4), (6, 5)] {
+        for (k, v) in [(3, 2), (5, 4), (6, 5)] {
             let c = choose(&q(DType::F16), &pool(k, v, DType::F16), &dims).unwrap();
             assert!(c.warp, "K{k}/V{v}");
             assert_eq!(c.name, format!("decode_q_f16_b{k}v{v}_d128"));
             assert_eq!(c.smem, 0);
         }
+        let c = choose(&q(DType::F16), &pool(4, 3, DType::F16), &dims).unwrap();
+        assert_eq!(c.name, "decode_qm_f16_b4v3_d128_g64");
+        // Two stages per warp of 32 rows: 64 + 48 code bytes and four 2-byte scale rows each.
+        assert_eq!(c.smem, QW * 2 * 32 * (64 + 48 + 4 * 2 * 2));
         let c = choose(&q(DType::F16), &pool(4, 4, DType::F16), &dims).unwrap();
         assert_eq!(c.name, "decode_qm_f16_b4_d128_g64");
         for (k, v, qdt) in [(8, 4, DType::F16), (4, 5, DType::F16), (5, 4, DType::F32)] {

@@ -12,7 +12,8 @@
 //      written), either
 //      - SIMT (GS = 0, any width): one lane per position loads its K row and computes q·k̂ with
 //        q in shared memory (broadcast reads), or
-//      - tensor cores (GS = group size, 4- and 8-bit): S = K·Qᵀ per group with
+//      - tensor cores (GS = group size, 4- and 8-bit keys; with 4-bit keys also 3-bit values,
+//        read by the lanes of step 3): S = K·Qᵀ per group with
 //        mma.m16n8k16 (rows = 16 positions, columns = 4 heads × {hi, lo}, k = 16 dims). Codes
 //        are exact in f16; q is split into two f16 terms (hi + lo, ~22 bits) that sit in
 //        neighbouring columns, so one product keeps f32 accuracy and every lane ends with one

@@ -181,7 +181,7 @@ __device__ __forceinline__ void qdecode_impl(
     using S = QShape<T, B, D, GS>;
     using SV = QShape<T, VB, D, GS>;
     static_assert(VB == B || GS == 0 || (B == 4 && VB == 3), "mixed widths on tensor cores: K4/V3");
-    constexpr bool MMA = S::MMA, VMMA = SV::VMMA, SREG = S::SREG;
+    constexpr bool MMA = S::MMA, VMMA = SV::VMMA;
     constexpr int HB = S::HB, NCH = S::NCH, LPR = S::LPR, NG = S::NG, KST = S::KST;
     // One staged tile: K and V codes, then the four scale rows (S::STG when VB == B).
     constexpr int SCL = 32 * (HB + SV::HB);
@@ -268,11 +268,7 @@ __device__ __forceinline__ void qdecode_impl(
             const unsigned char* st = stage_s + (warp * 2 + buf) * STG;
             unsigned vmask = 0;
             if constexpr (MMA) {
-                if constexpr (SREG) {
-                    unsigned short* d = reinterpret_cast<unsigned short*>(const_cast<unsigned char*>(st) + SCL);
-#pragma unroll
-                    for (int a = 0; a < 4; a++) d[a * 32 + lane] = sreg[a];
-                }
+                stage_sreg<T, B, D, GS, VB>(st, lane, sreg);
                 if (t0 + stride < p1) stage(buf ^ 1, hrow_n, valid_n);
                 else cp_async_commit();
                 cp_async_wait<1>();

@@ -116,6 +116,19 @@ __device__ __forceinline__ void warp_stage(
     cp_async_commit();
 }
 
+// Staging, scale rows of 2 bytes (SREG): the values warp_stage kept in registers, into the
+// stage once its tile is due (after the scale rows' codes: offset 32 rows of K and V codes).
+template <typename T, int B, int D, int GS, int VB = B>
+__device__ __forceinline__ void stage_sreg(const unsigned char* st, int lane,
+                                           const unsigned short (&sreg)[4]) {
+    if constexpr (QShape<T, B, D, GS>::SREG) {
+        constexpr int SCL = 32 * (QShape<T, B, D, GS>::HB + QShape<T, VB, D, GS>::HB);
+        unsigned short* d = reinterpret_cast<unsigned short*>(const_cast<unsigned char*>(st) + SCL);
+#pragma unroll
+        for (int a = 0; a < 4; a++) d[a * 32 + lane] = sreg[a];
+    }
+}
+
 // 1. SIMT scores: the lane's position (head row hrow, if valid) against the QG heads, read
 // straight from the pool; -inf where not valid.
 template <typename T, int B, int D, int GS>

@@ -4,7 +4,8 @@
 use candle_core::{DType, Device, IndexOp, Tensor};
 use kvq::kv::format::{self, Fit, QuantFormat, Quantized, SlotRows};
 
-fn bits(t: &Tensor) -> Vec<u32> {
+/// The values of `t` as bit patterns (u32 as they are, floats through f32): for equality.
+pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
     let t = t.flatten_all().unwrap();
     match t.dtype() {
         DType::U32 => t.to_vec1::<u32>().unwrap(),

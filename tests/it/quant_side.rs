@@ -10,21 +10,9 @@ fn cuda_side_writes_equal_the_separate_operations() {
     use kvq::kv::format::rotation::Rotation;
     use kvq::kv::format::{self, DenseCopies, QuantFormat, Quantized, SideWrites, SlotRows};
 
+    use crate::quant_ops::bits;
+
     let dev = Device::new_cuda(0).expect("a CUDA device");
-    let bits = |t: &Tensor| -> Vec<u32> {
-        let t = t.flatten_all().unwrap().to_device(&Device::Cpu).unwrap();
-        match t.dtype() {
-            DType::U32 => t.to_vec1::<u32>().unwrap(),
-            _ => t
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits())
-                .collect(),
-        }
-    };
     for (kb, vb, dtype, hd, kvh, centred, copies) in [
         (4, 3, DType::F16, 64, 3, true, true),
         (4, 4, DType::BF16, 128, 2, true, true),

@@ -55,6 +55,7 @@ impl PagedKvCache {
                 }),
                 _ => None,
             };
+            // (Copies without their ring rows: the path below says what is missing.)
             if pools.is_none() || copies.is_some() {
                 let side = SideWrites {
                     means: means.as_ref(),

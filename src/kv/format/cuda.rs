@@ -1,7 +1,7 @@
 //! Launches the fused CUDA kernels of `kernels/quant.cu` (one thread per 8 values).
 
-use super::ops::{DenseCopies, SideWrites};
 use super::quantized::{with_last, wrap, Quantized};
+use super::side::{DenseCopies, SideWrites};
 use super::{QuantError, QuantFormat};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,

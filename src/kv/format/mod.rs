@@ -8,7 +8,8 @@
 //! - [`ops`]: quantize / dequantize as candle ops with `cpu`, `cuda` and [`generic`] backends;
 //! - [`rotation`]: the randomized Hadamard rotation of the rotated scheme;
 //! - [`storage`]: one layer's slots in a format ([`LayerKv`]) and rows copied out of it
-//!   ([`LayerRows`]);
+//!   ([`LayerRows`]); `side`: what a captured decode step writes in the same launch
+//!   ([`SideWrites`]);
 //! - [`tag`]: the names formats have in prompt-cache files and messages.
 
 pub mod affine;
@@ -22,6 +23,7 @@ mod pack;
 mod quantized;
 pub mod rotation;
 pub(crate) mod scatter;
+mod side;
 pub mod storage;
 pub mod tag;
 mod widths;
@@ -30,9 +32,10 @@ pub use affine::{QuantError, QuantFormat};
 pub use fit::Fit;
 pub use ops::{
     dequantize, dequantize_as, fused_rotation, quantize, quantize_as, quantize_fitted,
-    quantize_into, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, DenseCopies,
-    Quantized, SideWrites, SlotRows,
+    quantize_into, quantize_into_rows, quantize_rotated_into_rows, quantize_rows_into, Quantized,
+    SlotRows,
 };
+pub use side::{DenseCopies, SideWrites};
 pub use storage::{LayerKv, LayerRows};
 pub use widths::KvWidths;
 

@@ -9,9 +9,10 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::ops::{
     dequantize_as, fused_rotation, quantize_into_rows, quantize_rotated_into_rows,
-    quantize_rows_into, slot_runs, Quantized, SideWrites, SlotRows,
+    quantize_rows_into, slot_runs, Quantized, SlotRows,
 };
 use super::rotation::Rotation;
+use super::side::SideWrites;
 use super::{Fit, KvFormat, QuantFormat};
 
 /// Storage of one layer: `[slots, width]` per K and V.

@@ -61,7 +61,6 @@ __device__ __forceinline__ void warp_merge_last(
     size_t hr[IT];
     int dd[IT];
     bool in[IT];
-    float o[IT], l[IT];
 #pragma unroll
     for (int k = 0; k < IT; k++) {
         const int i = tid + k * QW * 32;
@@ -70,6 +69,7 @@ __device__ __forceinline__ void warp_merge_last(
         in[k] = i / D < gn;
     }
     if constexpr (!WIN) {
+        float o[IT], l[IT];
         merge_splits<IT>(part_acc, part_ml, hstride, D, live, hr, dd, in, o, l);
 #pragma unroll
         for (int k = 0; k < IT; k++) {

@@ -10,7 +10,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Result, Storage, StorageRef, Tensor, WithDType};
 use half::{bf16, f16};
 
-use crate::device::kernels::{aligned, dtype_suffix, kernel, Module};
+use crate::device::kernels::{aligned, dtype_suffix, kernel, view, Module};
 
 const THREADS: u32 = 256;
 /// Chunks of 8 values per quantize thread (`KVQ_Q_UNROLL` in kernels/quant.cu).
@@ -354,11 +354,8 @@ pub(super) fn quantize_rot_into_rows(
             .arg(&signs_dev);
         // The side writes, null where absent (their views live until the launch).
         let null = 0u64;
-        let ms = means.map(cuda_parts).transpose()?;
-        let mv = match &ms {
-            Some((st, a, z)) => Some(as_cuda(st)?.as_cuda_slice::<I>()?.slice(*a..*z)),
-            None => None,
-        };
+        let ms = means.map(|m| m.storage_and_layout());
+        let mv = ms.as_ref().map(|(s, l)| view::<I>(s, l)).transpose()?;
         match &mv {
             Some(m) => b.arg(m),
             None => b.arg(&null),
@@ -366,18 +363,10 @@ pub(super) fn quantize_rot_into_rows(
         let cs = copies.map(|c| [c.k, c.v, c.rows, c.sinks].map(|t| t.storage_and_layout()));
         let cv = match &cs {
             Some([(ks, kl), (vs, vl), (rs, rl), (ss, sl)]) => Some((
-                as_cuda(ks)?
-                    .as_cuda_slice::<f16>()?
-                    .slice(kl.start_offset()..),
-                as_cuda(vs)?
-                    .as_cuda_slice::<f16>()?
-                    .slice(vl.start_offset()..),
-                as_cuda(rs)?
-                    .as_cuda_slice::<u32>()?
-                    .slice(rl.start_offset()..),
-                as_cuda(ss)?
-                    .as_cuda_slice::<u32>()?
-                    .slice(sl.start_offset()..),
+                view::<f16>(ks, kl)?,
+                view::<f16>(vs, vl)?,
+                view::<u32>(rs, rl)?,
+                view::<u32>(ss, sl)?,
             )),
             None => None,
         };

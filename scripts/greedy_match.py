@@ -11,8 +11,11 @@ import json, os, subprocess, tempfile
 KVQ = "target/release/kvq"
 cases = [json.loads(l) for l in open("../shared/reference/smollm2-greedy.jsonl")]
 settings = {
-    "affine4": ["--kv-bits", "4", "--kv-quant-scheme", "affine"],
-    "rotated4": ["--kv-bits", "4", "--kv-quant-scheme", "rotated"],
+    # `--kv-residual 0` names a part: plain widths, not the --kv-bits 4 / 3 budget's preset.
+    "affine4": ["--kv-bits", "4", "--kv-residual", "0", "--kv-quant-scheme", "affine"],
+    "rotated4": ["--kv-bits", "4", "--kv-residual", "0", "--kv-quant-scheme", "rotated"],
+    "budget4": ["--kv-bits", "4"],
+    "budget3": ["--kv-bits", "3"],
     "rotated8": ["--kv-bits", "8"],
     "k6v4": ["--kv-key-bits", "6", "--kv-value-bits", "4"],
     "split4.5": ["--kv-bits", "4.5"],

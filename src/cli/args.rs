@@ -319,7 +319,12 @@ pub struct KvArgs {
     /// Quantize the KV cache to this many bits per value (2, 3, 4, 5, 6 or 8; affine groups,
     /// MLX-compatible), or to an average of 2.5, 3.5, 4.5 or 5.5: keys one bit wider than values
     /// (3.5 = 4-bit K / 3-bit V), the split that measures best, since keys are the sensitive
-    /// half. Absent: a dense cache (--kv-dtype).
+    /// half. 4 and 3 given without --kv-key-bits, --kv-value-bits, --kv-residual, --kv-sinks or
+    /// --kv-center are budgets: the best setting of that many bits per value (4 = 4-bit keys,
+    /// 3-bit values, centred keys, the newest 60 and first 4 positions dense; KL divergence
+    /// ~9x lower than plain 4-bit on the default model), plain where it cannot run (a notice
+    /// says why); `--kv-bits 4 --kv-residual 0` is plain 4-bit. Absent: a dense cache
+    /// (--kv-dtype).
     #[arg(long, value_name = "BITS")]
     pub kv_bits: Option<KvWidths>,
 
@@ -356,22 +361,24 @@ pub struct KvArgs {
     /// through f16 copies of their K/V rows, older ones through the quantized rows (which are
     /// still written for every token). Where quantization error costs most — a query weighs
     /// its recent tokens heavily: on the default model N = 64 cuts 4-bit's KL divergence ~5x —
-    /// for N f16 rows per sequence and layer. CPU and CUDA. Needs --kv-bits; 0 = off.
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub kv_residual: usize,
+    /// for N f16 rows per sequence and layer. CPU and CUDA. Needs --kv-bits; 0 = off (the
+    /// default, except under the --kv-bits 4 / 3 budgets: 60).
+    #[arg(long, value_name = "N")]
+    pub kv_residual: Option<usize>,
 
     /// Attention sinks: every query also attends the first S positions of its sequence through
     /// f16 copies (many heads put much of their weight there; on the default model 4 sinks cut
-    /// --kv-residual 60's KL divergence by a third). Needs --kv-residual; 0 = off.
-    #[arg(long, default_value_t = 0, value_name = "S")]
-    pub kv_sinks: usize,
+    /// --kv-residual 60's KL divergence by a third). Needs --kv-residual; 0 = off (the default,
+    /// except under the --kv-bits 4 / 3 budgets: 4).
+    #[arg(long, value_name = "S")]
+    pub kv_sinks: Option<usize>,
 
     /// Store each key minus its sequence's mean key (per channel, from the sequence's first
     /// block, per layer): the offset every key shares stops taking up the quantization range,
     /// and attention is unchanged (softmax ignores a shift common to a query's scores). On the
     /// default model it cuts 4-bit's KL divergence by ~15%. Needs --kv-bits; prompt-cache files
     /// keep the means (use a file saved with it only with it); not with --quantized-kv-start or
-    /// soft-capped models.
+    /// soft-capped models. On by default under the --kv-bits 4 / 3 budgets.
     #[arg(long)]
     pub kv_center: bool,
 
@@ -435,10 +442,37 @@ impl KvArgs {
             block_size: self.kv_block_size,
             scheme: self.kv_quant_scheme.map(QuantSchemeArg::scheme),
             dense_dtype: Some(self.dense_dtype(model)),
-            residual: self.kv_residual,
-            sinks: self.kv_sinks,
+            residual: self.kv_residual.unwrap_or(0),
+            sinks: self.kv_sinks.unwrap_or(0),
             center: self.kv_center,
+            preset: self
+                .kv_bits
+                .is_some_and(|b| b.key == b.value && crate::kv::preset::BUDGETS.contains(&b.key))
+                && self.kv_key_bits.is_none()
+                && self.kv_value_bits.is_none()
+                && self.kv_residual.is_none()
+                && self.kv_sinks.is_none()
+                && !self.kv_center,
         }
+    }
+}
+
+impl KvArgs {
+    /// [`KvArgs::options`] for the loaded `model`, a `--kv-bits` budget resolved to its best
+    /// setting there (`kv::preset`); a fallback's reason goes to stderr, once per call.
+    pub fn options_for(&self, flags: &ModelArgs, model: &crate::model::llama::Llama) -> KvOptions {
+        use crate::kv::preset::{resolve, Backend, Target};
+        let target = Target {
+            head_dim: model.config().head_dim,
+            soft_capped: model.config().attn_softcap.is_some(),
+            backend: Backend::of(model.device()),
+            dtype: model.dtype(),
+        };
+        let r = resolve(&self.options(flags), &target);
+        if let Some(n) = r.notice {
+            eprintln!("note: {n}");
+        }
+        r.options
     }
 }
 
@@ -508,6 +542,26 @@ mod tests {
 
     /// An average names keys one bit wider than values; an explicit per-side width still wins;
     /// whole widths pass through unchanged (checked where the format is made).
+    #[test]
+    fn kv_bits_4_and_3_alone_are_budgets() {
+        let preset = |a: &[&str]| options(a).unwrap().preset;
+        assert!(preset(&["--kv-bits", "4"]));
+        assert!(preset(&["--kv-bits", "3", "--kv-group-size", "32"]));
+        for hand in [
+            &["--kv-bits", "4", "--kv-residual", "0"][..],
+            &["--kv-bits", "4", "--kv-sinks", "0"],
+            &["--kv-bits", "4", "--kv-center"],
+            &["--kv-bits", "4", "--kv-key-bits", "4"],
+            &["--kv-bits", "3", "--kv-value-bits", "3"],
+            &["--kv-bits", "3.5"],
+            &["--kv-bits", "8"],
+            &["--kv-bits", "2"],
+            &[],
+        ] {
+            assert!(!preset(hand), "{hand:?}");
+        }
+    }
+
     #[test]
     fn kv_bits_take_whole_widths_and_half_averages() {
         let o = options(&["--kv-bits", "3.5"]).unwrap();

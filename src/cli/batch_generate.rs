@@ -135,7 +135,7 @@ pub fn run(args: &BatchGenerateArgs) -> Result<()> {
         check_not_read("--output", path, &model_files(&loaded))?;
     }
     let model = &loaded.model;
-    let kv = args.kv.options(&args.model);
+    let kv = args.kv.options_for(&args.model, model);
     let sizing = |bytes, tokens| PoolSizing::Budget {
         bytes,
         tokens,
@@ -388,6 +388,7 @@ fn budget_bytes(
             .saturating_mul(args.max_batch),
         floor: one,
         share: 2,
+        sequences: args.max_batch,
     }
     .bytes(probe)
 }

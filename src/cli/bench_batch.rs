@@ -19,7 +19,7 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
 use super::args::{DeviceArgs, KvArgs, ModelArgs};
 use crate::bench::batch::{self, Row, Shape};
 use crate::engine::stats::{fmt_bytes, peak_rss_bytes};
-use crate::kv::cache::{PagedKvCache, PoolSizing};
+use crate::kv::cache::{KvOptions, PagedKvCache, PoolSizing};
 use crate::model::load::load;
 
 /// Definitions printed under the table and in --help.
@@ -105,16 +105,14 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     for &s in &shapes {
         batch::check_shape(model, s)?;
     }
+    let kv = args.kv.options_for(&args.model, model);
     let run_one = |s: Shape| -> Result<Row> {
         let sizing = PoolSizing::Sequences {
             tokens: batch::cache_tokens(s),
             max_batch: s.pl,
             chunk: args.prefill_chunk,
         };
-        let cfg =
-            args.kv
-                .options(&args.model)
-                .cache_config(model.kv_shape(), model.dtype(), sizing)?;
+        let cfg = kv.cache_config(model.kv_shape(), model.dtype(), sizing)?;
         super::args::check_cache_memory(&cfg, model.device())?;
         let cache = PagedKvCache::new(cfg, model.device())?;
         batch::run_shape(model, cache, s, args.prefill_chunk, args.device.cuda_graphs)
@@ -124,7 +122,7 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
         let pp = npp.iter().copied().min().unwrap_or(1).min(16);
         run_one(Shape { pp, tg: 2, pl })?;
     }
-    let kv_desc = kv_description(&args.kv, &args.model);
+    let kv_desc = kv_description(&kv, model);
     let dtype = format!("{:?}", model.dtype()).to_lowercase();
     let mut rows = Vec::new();
     if !args.json {
@@ -152,8 +150,11 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
                 "dtype": dtype,
                 "kv_cache": kv_desc,
                 "kv_bits": args.kv.kv_bits.map(|b| b.json()),
-                "kv_key_bits": args.kv.kv_key_bits,
-                "kv_value_bits": args.kv.kv_value_bits,
+                "kv_key_bits": kv.quant_formats()?.map(|(k, _)| k.bits()),
+                "kv_value_bits": kv.quant_formats()?.map(|(_, v)| v.bits()),
+                "kv_residual": kv.residual,
+                "kv_sinks": kv.sinks,
+                "kv_center": kv.center,
                 "prefill_chunk": args.prefill_chunk,
                 "peak_rss_bytes": peak_rss,
                 "definitions": COLUMNS_NOTE,
@@ -181,19 +182,30 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     Ok(())
 }
 
-/// "dense f16", "4-bit K / 4-bit V, group 64, rotated" and the like, from the flags alone.
-fn kv_description(kv: &KvArgs, model: &ModelArgs) -> String {
-    match kv.options(model).quant_formats() {
-        Ok(Some((k, v))) => format!(
-            "{}-bit K / {}-bit V, group {}{}",
-            k.bits(),
-            v.bits(),
-            k.group_size(),
-            kv.kv_quant_scheme
-                .map(|s| format!(", {}", s.scheme().name()))
-                .unwrap_or_default()
-        ),
-        _ => format!("dense {}", kv.dense_dtype(model).as_str()),
+/// "dense f16", "4-bit K / 3-bit V, group 64, rotated, 60 dense + 4 sinks, centred keys" and
+/// the like, from the options the cache is made of.
+fn kv_description(kv: &KvOptions, model: &crate::model::llama::Llama) -> String {
+    match kv.quant_formats() {
+        Ok(Some((k, v))) => {
+            let mut d = format!(
+                "{}-bit K / {}-bit V, group {}, {}",
+                k.bits(),
+                v.bits(),
+                k.group_size(),
+                kv.scheme_for(model.config().head_dim).name()
+            );
+            if kv.residual > 0 {
+                d += &format!(", {} dense", kv.residual);
+            }
+            if kv.sinks > 0 {
+                d += &format!(" + {} sinks", kv.sinks);
+            }
+            if kv.center {
+                d += ", centred keys";
+            }
+            d
+        }
+        _ => format!("dense {}", kv.dense_dtype.unwrap_or(model.dtype()).as_str()),
     }
 }
 

@@ -194,6 +194,9 @@ struct Output {
     stats: Stats,
     kv_bytes: usize,
     kv_bytes_per_token: usize,
+    /// The sequence's f16 copies of its newest and first rows (`--kv-residual`, `--kv-sinks`):
+    /// a fixed size beside the blocks.
+    kv_window_bytes: usize,
     /// Per layer group: its window, layer count, most bytes held after a step, bytes per token.
     kv_groups: Vec<(Option<usize>, usize, usize, usize)>,
     peak_memory: Option<u64>,
@@ -216,6 +219,7 @@ impl Output {
                 "decode_seconds": self.stats.decode_seconds,
                 "kv_bytes": self.kv_bytes,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_window_bytes": self.kv_window_bytes,
                 "kv_groups": self.kv_groups.iter().map(|&(window, layers, bytes, per_token)| {
                     serde_json::json!({
                         "window": window,
@@ -253,10 +257,11 @@ fn start<'m>(args: &GenerateArgs, m: &'m LoadedModel, prompt: &[u32]) -> Result<
         max_batch: 1,
         chunk: PREFILL_CHUNK,
     };
-    let cfg = args
-        .kv
-        .options(&args.model)
-        .cache_config(model.kv_shape(), model.dtype(), sizing)?;
+    let cfg = args.kv.options_for(&args.model, model).cache_config(
+        model.kv_shape(),
+        model.dtype(),
+        sizing,
+    )?;
     super::args::check_cache_memory(&cfg, model.device())?;
     let cache = PagedKvCache::new(cfg, model.device())?;
     let bytes_per_token = cache.config().bytes_per_token();
@@ -400,6 +405,7 @@ fn generate(args: &GenerateArgs, m: &LoadedModel, prompt: Vec<u32>) -> Result<Ou
         stats: engine.stats().clone(),
         kv_bytes,
         kv_bytes_per_token: bytes_per_token,
+        kv_window_bytes: engine.cache().config().residual_bytes(),
         kv_groups: engine
             .cache()
             .groups()
@@ -424,8 +430,12 @@ fn print_stats(o: &Output) {
         s.decode_tps(),
         o.finish
     );
+    let window = match o.kv_window_bytes {
+        0 => String::new(),
+        b => format!(" + {} of dense window copies", fmt_bytes(b)),
+    };
     eprintln!(
-        "KV cache: {} ({} per token) | peak memory: {}",
+        "KV cache: {} ({} per token){window} | peak memory: {}",
         fmt_bytes(o.kv_bytes),
         fmt_bytes(o.kv_bytes_per_token),
         o.peak_memory

@@ -1,6 +1,7 @@
 //! `--kv-memory` → KV blocks, the same way for every front end that takes a budget
 //! (`batch-generate`, `serve`): the budget includes the dense staging pool of
-//! `--quantized-kv-start`, must hold at least one request, and must exist on the machine.
+//! `--quantized-kv-start` and the dense window copies of `--kv-residual` / `--kv-sinks` (for
+//! `--max-batch` sequences), must hold at least one request, and must exist on the machine.
 
 // Data here comes from the command line: no unwrap, expect or indexing that could panic on it
 // (issue 21; clippy enforces it in CI).
@@ -33,6 +34,8 @@ pub struct PoolBudget<'a> {
     pub want: usize,
     pub floor: usize,
     pub share: usize,
+    /// Sequences decoded at once (`--max-batch`): each holds its own dense window copies.
+    pub sequences: usize,
 }
 
 /// Bytes of `blocks` (per layer group, at least one each) at each group's block size.
@@ -51,7 +54,8 @@ impl PoolBudget<'_> {
     /// A budget that cannot hold one request plus the staging pool, or that is more than the
     /// memory available now, is refused with the allowed minimum.
     pub fn bytes(&self, probe: &CacheConfig) -> Result<usize> {
-        let staging = super::args::staging_bytes(probe)?;
+        let copies = probe.residual_bytes().saturating_mul(self.sequences);
+        let staging = super::args::staging_bytes(probe)?.saturating_add(copies);
         let one = group_bytes(probe, &self.one_blocks);
         let available = crate::device::available_memory_bytes();
         let Some(bytes) = self.kv_memory else {
@@ -67,11 +71,20 @@ impl PoolBudget<'_> {
         }
         let need = one.saturating_add(staging);
         if bytes < need {
-            let staged = match staging {
+            let staged = match staging - copies {
                 0 => String::new(),
                 s => format!(
                     " plus {} of dense staging for --quantized-kv-start",
                     fmt_bytes(s)
+                ),
+            };
+            let staged = match copies {
+                0 => staged,
+                c => format!(
+                    "{staged} plus {} of dense window copies for --max-batch {} sequences \
+                     (--kv-residual, --kv-sinks)",
+                    fmt_bytes(c),
+                    self.sequences
                 ),
             };
             bail!(

@@ -291,21 +291,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
     }
     let mut specs = match &args.compare {
         Some(list) => parse_specs(list)?,
-        None => {
-            let mut v = vec![];
-            if let Some((k, val)) = args.kv.options(&args.model).quant_formats()? {
-                v.push(Spec::Quant {
-                    bits: (k.bits(), val.bits()),
-                    scheme: None,
-                    group: None,
-                    exact: false,
-                    residual: None,
-                    sinks: None,
-                    center: false,
-                });
-            }
-            v
-        }
+        None => vec![],
     };
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
@@ -319,10 +305,29 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
             model.config().max_position_embeddings
         );
     }
+    if args.compare.is_none() {
+        // The KV flags' own setting, a --kv-bits budget resolved for this model.
+        let own = args.kv.options_for(&args.model, model);
+        if let Some((k, val)) = own.quant_formats()? {
+            specs.push(Spec::Quant {
+                bits: (k.bits(), val.bits()),
+                scheme: None,
+                group: None,
+                exact: false,
+                residual: Some(own.residual),
+                sinks: Some(own.sinks),
+                center: own.center,
+            });
+        }
+    }
     if !matches!(specs.first(), Some(Spec::Dense(_))) && !args.quantized_reference {
         specs.insert(0, Spec::Dense(model.dtype()));
     }
-    let kv = args.kv.options(&args.model);
+    // --compare entries name their parts: the flags are their defaults, never a budget's preset.
+    let kv = KvOptions {
+        preset: false,
+        ..args.kv.options(&args.model)
+    };
     let settings = specs
         .iter()
         .map(|s| {

@@ -118,7 +118,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             let device = a.device.open()?;
             let loaded = load(&a.model.options(), &device)?;
             let model = &loaded.model;
-            let kv = a.kv.options(&a.model);
+            let kv = a.kv.options_for(&a.model, model);
             let window = model.config().max_position_embeddings;
             let sizing = |bytes| PoolSizing::Budget {
                 bytes,
@@ -144,6 +144,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             let staging = match super::args::staging_bytes(&cfg)? {
                 0 => String::new(),
                 b => format!(" + {} MiB of dense staging", b >> 20),
+            };
+            let staging = match cfg.residual_bytes() * a.max_batch {
+                0 => staging,
+                b => format!(
+                    "{staging} + {} MiB of dense window copies for {} sequences",
+                    b >> 20,
+                    a.max_batch
+                ),
             };
             eprintln!(
                 "kvq serve: {} | KV cache {held} of {} tokens ({} MiB{staging})",
@@ -189,6 +197,7 @@ fn budget(a: &ServeArgs, window: usize, probe: &CacheConfig) -> Result<usize> {
         want: whole.saturating_mul(a.max_batch),
         floor: whole,
         share: 4,
+        sequences: a.max_batch,
     }
     .bytes(probe)
 }

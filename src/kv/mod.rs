@@ -4,8 +4,11 @@
 //! - [`cache`]: the paged block pool that owns every layer's storage, block tables, staging,
 //!   windows, and prompt-cache files (export / import of a sequence's rows);
 //! - [`attend`]: attention over the cache — the per-step plan, prefill and decode, with cpu /
-//!   cuda / generic backends (generic is the reference).
+//!   cuda / generic backends (generic is the reference);
+//! - [`preset`]: what a `--kv-bits` budget means for a model and device (above the others: it
+//!   knows which kernels exist).
 
 pub mod attend;
 pub mod cache;
 pub mod format;
+pub mod preset;

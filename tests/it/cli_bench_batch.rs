@@ -136,9 +136,26 @@ fn a_half_average_makes_keys_one_bit_wider_than_values() {
         "{label}"
     );
     let bytes = |v: &Value| v["rows"][1]["kv_bytes"].as_u64().unwrap();
-    let (q4, q3) = (run_json(&["--kv-bits", "4"]), run_json(&["--kv-bits", "3"]));
+    // Plain widths (a part given): --kv-bits 4 / 3 alone are budgets, below.
+    let q4 = run_json(&["--kv-bits", "4", "--kv-residual", "0"]);
+    let q3 = run_json(&["--kv-bits", "3", "--kv-residual", "0"]);
     assert_eq!(bytes(&avg), bytes(&sides));
     assert!(bytes(&q3) < bytes(&avg) && bytes(&avg) < bytes(&q4));
+    // The --kv-bits 4 budget is this split with the dense window and centred keys.
+    let budget = run_json(&["--kv-bits", "4"]);
+    let c = &budget["config"];
+    assert_eq!(
+        (&c["kv_key_bits"], &c["kv_value_bits"]),
+        (&4.into(), &3.into())
+    );
+    assert_eq!((&c["kv_residual"], &c["kv_sinks"]), (&60.into(), &4.into()));
+    assert_eq!(c["kv_center"], true);
+    assert_eq!(bytes(&budget), bytes(&avg));
+    let label = c["kv_cache"].as_str().unwrap();
+    assert!(
+        label.contains("3-bit V") && label.contains("60 dense + 4 sinks, centred keys"),
+        "{label}"
+    );
 }
 
 #[test]

@@ -55,11 +55,14 @@ fn reported_bytes_follow_the_format_formula() {
         "40",
         "--kv-bits",
         "4",
+        "--kv-residual",
+        "0",
         "--json",
         "--raw",
         "The history of the printing press begins",
     ]);
     let stats = &v["stats"];
+    assert_eq!(stats["kv_window_bytes"], 0);
     assert_eq!(
         stats["kv_bytes_per_token"].as_u64().unwrap(),
         Q4_BYTES_PER_TOKEN
@@ -74,6 +77,22 @@ fn reported_bytes_follow_the_format_formula() {
         bytes >= formula && bytes < formula + block,
         "{bytes} vs formula {formula}"
     );
+
+    // The `--kv-bits 4` budget: 4-bit keys (36 B a head), 3-bit values (24 + 4 B), and per
+    // sequence f16 copies of its newest 60 and first 4 rows (64 × 30 layers × K, V × 3 heads ×
+    // 64 × 2 B), 4.5 bits per value over 2,048 tokens.
+    let b = json(&[
+        "generate",
+        "--max-tokens",
+        "4",
+        "--kv-bits",
+        "4",
+        "--json",
+        "--raw",
+        "Hello",
+    ]);
+    assert_eq!(b["stats"]["kv_bytes_per_token"], 30 * 3 * (36 + 28));
+    assert_eq!(b["stats"]["kv_window_bytes"], 64 * 30 * 2 * 3 * 64 * 2);
 
     // The dense cache for comparison: f16 by default also on the CPU (64 × 2 B per head), f32
     // under --dtype f32 or --kv-dtype f32 (64 × 4 B).
@@ -164,4 +183,58 @@ fn bad_kv_flags_are_refused_with_the_reason() {
             stderr(&out)
         );
     }
+}
+
+/// `--kv-bits 4` alone is the budget's best setting: the cache its parts make when spelled out
+/// (same bytes, same window, same tokens). Where that setting cannot run (here
+/// `--quantized-kv-start`), one note says so and the cache is plain 4-bit.
+#[test]
+fn kv_bits_4_alone_is_the_budgets_best_setting() {
+    let text = std::fs::read_to_string(reference_dir().join("corpus.txt")).unwrap();
+    let prompt: String = text.chars().take(600).collect(); // ~130 tokens: past the window
+    let run = |kv: &[&str]| -> (serde_json::Value, String) {
+        let mut args = vec!["generate", "--temp", "0", "--max-tokens", "16", "--json"];
+        args.extend_from_slice(kv);
+        args.extend(["--raw", &prompt]);
+        let out = kvq(&args);
+        assert!(out.status.success(), "{kv:?}: {}", stderr(&out));
+        let v = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        (v, stderr(&out))
+    };
+    let same = |a: &serde_json::Value, b: &serde_json::Value, what: &str| {
+        assert_eq!(ids(&a["tokens"]), ids(&b["tokens"]), "{what}");
+        for k in ["kv_bytes", "kv_bytes_per_token", "kv_window_bytes"] {
+            assert_eq!(a["stats"][k], b["stats"][k], "{what}: {k}");
+        }
+    };
+    let (budget, e) = run(&["--kv-bits", "4"]);
+    assert!(!e.contains("note:"), "{e}");
+    let (parts, _) = run(&[
+        "--kv-bits",
+        "3.5",
+        "--kv-residual",
+        "60",
+        "--kv-sinks",
+        "4",
+        "--kv-center",
+    ]);
+    same(&budget, &parts, "budget vs parts");
+    assert!(budget["stats"]["kv_window_bytes"].as_u64().unwrap() > 0);
+
+    let (staged, e) = run(&["--kv-bits", "4", "--quantized-kv-start", "16"]);
+    assert!(
+        e.contains("note: --kv-bits 4: plain 4-bit keys and values, since --quantized-kv-start"),
+        "{e}"
+    );
+    let (plain, e) = run(&[
+        "--kv-bits",
+        "4",
+        "--kv-residual",
+        "0",
+        "--quantized-kv-start",
+        "16",
+    ]);
+    assert!(!e.contains("note:"), "{e}");
+    same(&staged, &plain, "fallback vs plain");
+    assert_eq!(staged["stats"]["kv_window_bytes"], 0);
 }

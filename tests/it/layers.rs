@@ -20,8 +20,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("cli", 6),
 ];
 
-/// Inside kv: format < cache < attend.
-const KV_LAYERS: &[(&str, u32)] = &[("format", 1), ("cache", 2), ("attend", 3)];
+/// Inside kv: format < cache < attend < preset.
+const KV_LAYERS: &[(&str, u32)] = &[("format", 1), ("cache", 2), ("attend", 3), ("preset", 4)];
 
 fn rank(table: &[(&str, u32)], name: &str) -> Option<u32> {
     table.iter().find(|(n, _)| *n == name).map(|(_, r)| *r)

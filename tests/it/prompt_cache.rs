@@ -64,6 +64,9 @@ fn generate_err(prompt: &str, extra: &[&str]) -> String {
     e
 }
 
+/// Plain 4-bit keys and values (a part given by hand: not the `--kv-bits 4` budget's preset).
+const PLAIN4: &[&str] = &["--kv-bits", "4", "--kv-residual", "0"];
+
 fn save(dir: &Path, name: &str, prompt: &str, kv: &[&str]) -> (PathBuf, Vec<u32>) {
     let path = dir.join(name);
     let mut extra = kv.to_vec();
@@ -77,7 +80,9 @@ fn save(dir: &Path, name: &str, prompt: &str, kv: &[&str]) -> (PathBuf, Vec<u32>
 #[test]
 fn generate_from_a_prompt_cache_equals_a_fresh_run() {
     let dir = tempfile::tempdir().unwrap();
-    for kv in [&[][..], &["--kv-bits", "4"][..]] {
+    // Plain 4-bit: the --kv-bits 4 budget centres keys by means fixed from a prompt shorter
+    // than a block, so its stored rows depend on the prompt (its files are tested below).
+    for kv in [&[][..], PLAIN4] {
         let (file, saved) = save(dir.path(), "short.safetensors", SHORT, kv);
         let mut with = kv.to_vec();
         with.extend(["--prompt-cache", file.to_str().unwrap()]);
@@ -207,7 +212,7 @@ fn batch_requests_start_from_their_prompt_caches() {
 fn other_formats_weights_and_damaged_files_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let (dense, _) = save(dir.path(), "dense.safetensors", SHORT, &[]);
-    let (q4, _) = save(dir.path(), "q4.safetensors", SHORT, &["--kv-bits", "4"]);
+    let (q4, _) = save(dir.path(), "q4.safetensors", SHORT, PLAIN4);
     let use_ = |f: &Path, kv: &[&str]| {
         let mut v = kv.to_vec();
         v.extend(["--prompt-cache", f.to_str().unwrap()]);
@@ -221,25 +226,25 @@ fn other_formats_weights_and_damaged_files_are_refused() {
         "{e}"
     );
     // Same width, other scheme: rotated rows are not affine rows.
-    let e = use_(&q4, &["--kv-bits", "4", "--kv-quant-scheme", "affine"]);
+    let e = use_(&q4, &[PLAIN4, &["--kv-quant-scheme", "affine"]].concat());
     assert!(
         e.contains("rotated 4-bit/g64") && e.contains("affine 4-bit/g64"),
         "{e}"
     );
-    let e = use_(&dense, &["--kv-bits", "4"]);
+    let e = use_(&dense, PLAIN4);
     assert!(e.contains("layer 0 is dense f32"), "{e}");
     // Below --quantized-kv-start the first tokens are dense: quantized rows do not fit there,
     // dense rows do.
-    let e = use_(&q4, &["--kv-bits", "4", "--quantized-kv-start", "64"]);
+    let e = use_(&q4, &[PLAIN4, &["--quantized-kv-start", "64"]].concat());
     assert!(e.contains("--quantized-kv-start 64"), "{e}");
     let ok = {
-        let mut v = vec!["--kv-bits", "4", "--quantized-kv-start", "64"];
+        let mut v = [PLAIN4, &["--quantized-kv-start", "64"]].concat();
         v.extend(["--prompt-cache", dense.to_str().unwrap()]);
         generate(LONG, 8, &v)
     };
     assert_eq!(
         ids(&ok["tokens"]),
-        ids(&generate(LONG, 8, &["--kv-bits", "4", "--quantized-kv-start", "64"])["tokens"])
+        ids(&generate(LONG, 8, &[PLAIN4, &["--quantized-kv-start", "64"]].concat())["tokens"])
     );
 
     // Another way of computing K/V (quantized GGUF matmuls instead of dense weights).
@@ -474,14 +479,14 @@ fn kv_window_prompt_files_refuse_what_they_cannot_start_exactly() {
         e.contains("--kv-sinks 4") && e.contains("--save-prompt-cache"),
         "{e}"
     );
-    let (plain, _) = save(dir.path(), "p.safetensors", SHORT, &["--kv-bits", "4"]);
+    let (plain, _) = save(dir.path(), "p.safetensors", SHORT, PLAIN4);
     let e = start_err(&plain, &run, LONG);
     assert!(
         e.contains("saved without --kv-residual") && e.contains("--save-prompt-cache"),
         "{e}"
     );
     let (window, _) = save(dir.path(), "w.safetensors", SHORT, &run);
-    let e = start_err(&window, &["--kv-bits", "4"], LONG);
+    let e = start_err(&window, PLAIN4, LONG);
     assert!(
         e.contains("start from it with --kv-residual 8 --kv-sinks 4"),
         "{e}"

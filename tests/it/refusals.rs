@@ -359,6 +359,15 @@ fn kv_memory_counts_the_staging_pool_and_must_hold_a_request() {
         .concat(),
         "dense staging for --quantized-kv-start",
     );
+    // The --kv-bits 4 budget's dense window copies: 1.41 MiB per sequence, 64 sequences.
+    fails_with(
+        &[
+            &base[..],
+            &["--kv-bits", "4", "--max-batch", "64", "--kv-memory", "64M"],
+        ]
+        .concat(),
+        "plus 90.00 MiB of dense window copies for --max-batch 64 sequences",
+    );
     fails_with(
         &[&base[..], &["--kv-memory", "1"]].concat(),
         "cannot hold the longest request",

@@ -70,6 +70,9 @@ pub struct KvOptions {
     /// `--kv-center`: quantized layers store keys minus their sequence's mean
     /// (`kv::cache::center`).
     pub center: bool,
+    /// `bits` is a budget whose best setting `kv::preset::resolve` picks for the model (the
+    /// CLI's `--kv-bits 4` / `3` given alone); resolved before [`KvOptions::cache_config`].
+    pub preset: bool,
 }
 
 impl Default for KvOptions {
@@ -88,6 +91,7 @@ impl Default for KvOptions {
             residual: 0,
             sinks: 0,
             center: false,
+            preset: false,
         }
     }
 }
@@ -272,6 +276,12 @@ impl KvOptions {
         sizing: PoolSizing,
     ) -> OptResult<CacheConfig> {
         self.validate()?;
+        if self.preset {
+            return fail(
+                "--kv-bits: the budget's preset was not resolved for the model \
+                 (kv::preset::resolve)",
+            );
+        }
         let ModelShape {
             num_layers,
             num_kv_heads,

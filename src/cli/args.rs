@@ -455,9 +455,7 @@ impl KvArgs {
                 && !self.kv_center,
         }
     }
-}
 
-impl KvArgs {
     /// [`KvArgs::options`] for the loaded `model`, a `--kv-bits` budget resolved to its best
     /// setting there (`kv::preset`); a fallback's reason goes to stderr, once per call.
     pub fn options_for(&self, flags: &ModelArgs, model: &crate::model::llama::Llama) -> KvOptions {
@@ -540,8 +538,7 @@ mod tests {
         Ok(f.kv.options(&f.model))
     }
 
-    /// An average names keys one bit wider than values; an explicit per-side width still wins;
-    /// whole widths pass through unchanged (checked where the format is made).
+    /// `--kv-bits 4` / `3` alone ask for the budget's preset; any part given by hand does not.
     #[test]
     fn kv_bits_4_and_3_alone_are_budgets() {
         let preset = |a: &[&str]| options(a).unwrap().preset;
@@ -562,6 +559,8 @@ mod tests {
         }
     }
 
+    /// An average names keys one bit wider than values; an explicit per-side width still wins;
+    /// whole widths pass through unchanged (checked where the format is made).
     #[test]
     fn kv_bits_take_whole_widths_and_half_averages() {
         let o = options(&["--kv-bits", "3.5"]).unwrap();

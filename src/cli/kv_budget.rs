@@ -51,15 +51,17 @@ pub fn group_bytes(probe: &CacheConfig, blocks: &Blocks) -> usize {
 
 impl PoolBudget<'_> {
     /// Main-pool bytes for a cache shaped like `probe` (its staging pool sized already).
-    /// A budget that cannot hold one request plus the staging pool, or that is more than the
-    /// memory available now, is refused with the allowed minimum.
+    /// A budget that cannot hold one request plus the staging pool and the window copies, or
+    /// that is more than the memory available now, is refused with the allowed minimum.
     pub fn bytes(&self, probe: &CacheConfig) -> Result<usize> {
+        let staging = super::args::staging_bytes(probe)?;
         let copies = probe.residual_bytes().saturating_mul(self.sequences);
-        let staging = super::args::staging_bytes(probe)?.saturating_add(copies);
+        // Beside the main pools, whatever they hold.
+        let fixed = staging.saturating_add(copies);
         let one = group_bytes(probe, &self.one_blocks);
         let available = crate::device::available_memory_bytes();
         let Some(bytes) = self.kv_memory else {
-            let cap = (available / self.share.max(1)).saturating_sub(staging);
+            let cap = (available / self.share.max(1)).saturating_sub(fixed);
             return Ok(self.want.min(cap).max(self.floor).max(one));
         };
         if bytes > available {
@@ -69,9 +71,9 @@ impl PoolBudget<'_> {
                 fmt_bytes(available)
             );
         }
-        let need = one.saturating_add(staging);
+        let need = one.saturating_add(fixed);
         if bytes < need {
-            let staged = match staging - copies {
+            let staged = match staging {
                 0 => String::new(),
                 s => format!(
                     " plus {} of dense staging for --quantized-kv-start",
@@ -98,6 +100,6 @@ impl PoolBudget<'_> {
                 fmt_bytes(one),
             );
         }
-        Ok(bytes - staging)
+        Ok(bytes - fixed)
     }
 }

@@ -64,7 +64,8 @@ impl CacheFiles {
             ),
             (false, true) => bail!(
                 "prompt cache {} holds keys stored as they are: start from it without \
-                 --kv-center (or save it again with --kv-center)",
+                 --kv-center (--kv-bits 4 or 3 alone centres keys: --kv-bits 4 --kv-residual 0 \
+                 is plain 4-bit), or save it again with this run's KV flags",
                 path.display()
             ),
             _ => {}

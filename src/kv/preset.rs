@@ -6,7 +6,7 @@
 //! [`RESIDUAL`] and first [`SINKS`] positions attended through f16 copies. Over 2,048-token
 //! windows that is 4.5 (3.5) bits per value, scales and copies included: what plain 4-bit
 //! (3-bit) costs with its f16 scales. On the default model it cuts 4-bit's KL divergence
-//! against the dense cache from 0.044 to 0.005 (README, "Quality per bit").
+//! against the dense cache from 0.044 to 0.005 (README, "Quantized KV cache").
 //!
 //! The choice needs the model and the device, so it is made here, above the cache and the
 //! kernels, once a model is loaded. Where the setting cannot run (soft-capped scores,

@@ -225,6 +225,12 @@ fn other_formats_weights_and_damaged_files_are_refused() {
         e.contains("layer 0 is rotated 4-bit/g64 with f16 scales") && e.contains("8-bit/g64"),
         "{e}"
     );
+    // A plain 4-bit file under the --kv-bits 4 budget (centred keys): the way back is named.
+    let e = use_(&q4, &["--kv-bits", "4"]);
+    assert!(
+        e.contains("holds keys stored as they are") && e.contains("--kv-bits 4 --kv-residual 0"),
+        "{e}"
+    );
     // Same width, other scheme: rotated rows are not affine rows.
     let e = use_(&q4, &[PLAIN4, &["--kv-quant-scheme", "affine"]].concat());
     assert!(

@@ -182,29 +182,18 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     Ok(())
 }
 
-/// "dense f16", "4-bit K / 3-bit V, group 64, rotated, 60 dense + 4 sinks, centred keys" and
+/// "dense f16", "4-bit K / 3-bit V, group 64, rotated + 60 dense + 4 sinks, centred keys" and
 /// the like, from the options the cache is made of.
 fn kv_description(kv: &KvOptions, model: &crate::model::llama::Llama) -> String {
     match kv.quant_formats() {
-        Ok(Some((k, v))) => {
-            let mut d = format!(
-                "{}-bit K / {}-bit V, group {}, {}",
-                k.bits(),
-                v.bits(),
-                k.group_size(),
-                kv.scheme_for(model.config().head_dim).name()
-            );
-            if kv.residual > 0 {
-                d += &format!(", {} dense", kv.residual);
-            }
-            if kv.sinks > 0 {
-                d += &format!(" + {} sinks", kv.sinks);
-            }
-            if kv.center {
-                d += ", centred keys";
-            }
-            d
-        }
+        Ok(Some((k, v))) => format!(
+            "{}-bit K / {}-bit V, group {}, {}{}",
+            k.bits(),
+            v.bits(),
+            k.group_size(),
+            kv.scheme_for(model.config().head_dim).name(),
+            kv.window_label()
+        ),
         _ => format!("dense {}", kv.dense_dtype.unwrap_or(model.dtype()).as_str()),
     }
 }

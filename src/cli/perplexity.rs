@@ -230,15 +230,7 @@ fn setting(spec: &Spec, base: &KvOptions, model: &Llama, sizing: PoolSizing) -> 
             if kv.dense_layers.is_some() || kv.quantized_kv_start > 0 {
                 label += " (+dense parts)";
             }
-            if kv.residual > 0 {
-                label += &format!(" + {} dense", kv.residual);
-            }
-            if kv.sinks > 0 {
-                label += &format!(" + {} sinks", kv.sinks);
-            }
-            if kv.center {
-                label += ", centred keys";
-            }
+            label += &kv.window_label();
             // Where the CPU kernel would round the query (and weights) to 8 bits for these
             // formats, say which way this row attended.
             let hd = model.config().head_dim;

@@ -155,6 +155,21 @@ pub fn random_corpus_prompts(seed: u64, count: usize) -> Vec<Vec<u32>> {
     prompts
 }
 
+/// Plain 4-bit keys and values (a part given by hand: not the `--kv-bits 4` budget).
+pub const PLAIN4: &[&str] = &["--kv-bits", "4", "--kv-residual", "0"];
+
+/// The `--kv-bits 4` budget spelled out: K4/V3, the newest 60 positions and the first 4 dense,
+/// centred keys (what `--kv-bits 4` alone means where it can run).
+pub const BUDGET4_PARTS: &[&str] = &[
+    "--kv-bits",
+    "3.5",
+    "--kv-residual",
+    "60",
+    "--kv-sinks",
+    "4",
+    "--kv-center",
+];
+
 /// The recommended window setting (K4/V3, dense newest positions and sinks, centred keys) with
 /// an 8-position window, which short test prompts cross.
 pub const SMALL_WINDOW: &[&str] = &[

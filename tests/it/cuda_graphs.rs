@@ -110,20 +110,8 @@ fn graph_replay_equals_eager_launches_on_the_reference_prompts() {
     }
 }
 
-/// Plain 4-bit keys and values (a part given: not the `--kv-bits 4` budget).
-const PLAIN4: &[&str] = &["--kv-bits", "4", "--kv-residual", "0"];
-
-/// The best setting at 4.5 bits per value (README), spelled out: K4/V3, 60 dense positions and
-/// 4 sinks, centred keys (what `--kv-bits 4` means where it can run).
-const WINDOW: &[&str] = &[
-    "--kv-bits",
-    "3.5",
-    "--kv-residual",
-    "60",
-    "--kv-sinks",
-    "4",
-    "--kv-center",
-];
+/// The best setting at 4.5 bits per value (README), spelled out.
+const WINDOW: &[&str] = BUDGET4_PARTS;
 
 #[test]
 fn graph_replay_equals_eager_under_the_window_on_dummy_weights() {

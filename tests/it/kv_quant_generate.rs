@@ -209,15 +209,7 @@ fn kv_bits_4_alone_is_the_budgets_best_setting() {
     };
     let (budget, e) = run(&["--kv-bits", "4"]);
     assert!(!e.contains("note:"), "{e}");
-    let (parts, _) = run(&[
-        "--kv-bits",
-        "3.5",
-        "--kv-residual",
-        "60",
-        "--kv-sinks",
-        "4",
-        "--kv-center",
-    ]);
+    let (parts, _) = run(BUDGET4_PARTS);
     same(&budget, &parts, "budget vs parts");
     assert!(budget["stats"]["kv_window_bytes"].as_u64().unwrap() > 0);
 
@@ -226,14 +218,7 @@ fn kv_bits_4_alone_is_the_budgets_best_setting() {
         e.contains("note: --kv-bits 4: plain 4-bit keys and values, since --quantized-kv-start"),
         "{e}"
     );
-    let (plain, e) = run(&[
-        "--kv-bits",
-        "4",
-        "--kv-residual",
-        "0",
-        "--quantized-kv-start",
-        "16",
-    ]);
+    let (plain, e) = run(&[PLAIN4, &["--quantized-kv-start", "16"]].concat());
     assert!(!e.contains("note:"), "{e}");
     same(&staged, &plain, "fallback vs plain");
     assert_eq!(staged["stats"]["kv_window_bytes"], 0);

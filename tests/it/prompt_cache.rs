@@ -64,9 +64,6 @@ fn generate_err(prompt: &str, extra: &[&str]) -> String {
     e
 }
 
-/// Plain 4-bit keys and values (a part given by hand: not the `--kv-bits 4` budget's preset).
-const PLAIN4: &[&str] = &["--kv-bits", "4", "--kv-residual", "0"];
-
 fn save(dir: &Path, name: &str, prompt: &str, kv: &[&str]) -> (PathBuf, Vec<u32>) {
     let path = dir.join(name);
     let mut extra = kv.to_vec();

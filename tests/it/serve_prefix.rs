@@ -81,7 +81,7 @@ fn shared_prefix_reuse_dense() {
 #[test]
 fn shared_prefix_reuse_kv4() {
     // Plain 4-bit (a part given): the budget's preset has a dense window, tested below.
-    shared_prefix_reuse(&["--kv-bits", "4", "--kv-residual", "0"]);
+    shared_prefix_reuse(PLAIN4);
 }
 
 /// Centred keys (`--kv-center`): a prefix is reused with the key means its blocks were stored

@@ -208,6 +208,22 @@ impl KvOptions {
         })
     }
 
+    /// What the dense window and centring add to a setting's name: " + 60 dense + 4 sinks,
+    /// centred keys", or nothing.
+    pub fn window_label(&self) -> String {
+        let mut s = String::new();
+        if self.residual > 0 {
+            s += &format!(" + {} dense", self.residual);
+        }
+        if self.sinks > 0 {
+            s += &format!(" + {} sinks", self.sinks);
+        }
+        if self.center {
+            s += ", centred keys";
+        }
+        s
+    }
+
     /// Whether any of the widths asks for a quantized cache.
     pub fn is_quantized(&self) -> bool {
         self.bits.is_some() || self.key_bits.is_some() || self.value_bits.is_some()
@@ -277,10 +293,7 @@ impl KvOptions {
     ) -> OptResult<CacheConfig> {
         self.validate()?;
         if self.preset {
-            return fail(
-                "--kv-bits: the budget's preset was not resolved for the model \
-                 (kv::preset::resolve)",
-            );
+            return fail("--kv-bits: the budget was not resolved for the model (kv::preset)");
         }
         let ModelShape {
             num_layers,

@@ -143,6 +143,7 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
     }
     let peak_rss = peak_rss_bytes();
     if args.json {
+        let widths = kv.quant_formats()?.map(|(k, v)| (k.bits(), v.bits()));
         let v = serde_json::json!({
             "config": {
                 "model": loaded.description,
@@ -150,8 +151,8 @@ pub fn run(args: &BenchBatchArgs) -> Result<()> {
                 "dtype": dtype,
                 "kv_cache": kv_desc,
                 "kv_bits": args.kv.kv_bits.map(|b| b.json()),
-                "kv_key_bits": kv.quant_formats()?.map(|(k, _)| k.bits()),
-                "kv_value_bits": kv.quant_formats()?.map(|(_, v)| v.bits()),
+                "kv_key_bits": widths.map(|w| w.0),
+                "kv_value_bits": widths.map(|w| w.1),
                 "kv_residual": kv.residual,
                 "kv_sinks": kv.sinks,
                 "kv_center": kv.center,

@@ -38,6 +38,12 @@ pub struct PoolBudget<'a> {
     pub sequences: usize,
 }
 
+/// Bytes of the dense window copies (`--kv-residual`, `--kv-sinks`) of `sequences` sequences
+/// decoded at once: beside the main pools, inside the budget.
+pub fn window_copies_bytes(cfg: &CacheConfig, sequences: usize) -> usize {
+    cfg.residual_bytes().saturating_mul(sequences)
+}
+
 /// Bytes of `blocks` (per layer group, at least one each) at each group's block size.
 pub fn group_bytes(probe: &CacheConfig, blocks: &Blocks) -> usize {
     blocks
@@ -55,7 +61,7 @@ impl PoolBudget<'_> {
     /// that is more than the memory available now, is refused with the allowed minimum.
     pub fn bytes(&self, probe: &CacheConfig) -> Result<usize> {
         let staging = super::args::staging_bytes(probe)?;
-        let copies = probe.residual_bytes().saturating_mul(self.sequences);
+        let copies = window_copies_bytes(probe, self.sequences);
         // Beside the main pools, whatever they hold.
         let fixed = staging.saturating_add(copies);
         let one = group_bytes(probe, &self.one_blocks);

@@ -13,7 +13,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 
 use super::args::{DeviceArgs, KvArgs, ModelArgs, SamplingArgs};
-use super::kv_budget::{group_bytes, PoolBudget};
+use super::kv_budget::{group_bytes, window_copies_bytes, PoolBudget};
 use crate::engine::batch_io::parse_bytes;
 use crate::engine::scheduler::EngineConfig;
 use crate::kv::cache::{Blocks, CacheConfig, PagedKvCache, PoolSizing};
@@ -145,7 +145,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 0 => String::new(),
                 b => format!(" + {} MiB of dense staging", b >> 20),
             };
-            let staging = match cfg.residual_bytes() * a.max_batch {
+            let staging = match window_copies_bytes(&cfg, a.max_batch) {
                 0 => staging,
                 b => format!(
                     "{staging} + {} MiB of dense window copies for {} sequences",
